@@ -1,0 +1,69 @@
+"""The ``Trajectory`` batch: what a multi-turn rollout hands to the StarPO update step.
+
+One row per episode (``B = num_groups * group_size`` rows, row ``i`` in group ``i // group_size``),
+holding the whole conversation as one right-padded token sequence — the exact tokens the model
+read and wrote, never re-assembled text.
+
+Index conventions (``L`` = max sequence length, ``T`` = max turns):
+  * ``tokens[b, t]`` is predicted by the logits at position ``t - 1``; the log-prob of token ``t``
+    therefore needs ``t >= 1`` and ``loss_mask[:, 0]`` is always False.
+  * ``loss_mask[b, t]`` is True exactly for the tokens the policy sampled (assistant content and the
+    end-of-turn token it emitted); forced tokens (the ``<think>`` prefix, chat framing the loop
+    appends to close a turn, observations) are False.
+  * A turn's reward (sum of env step rewards plus its format penalty) sits at that turn's last
+    sampled token in ``token_rewards``; every other entry is 0.
+  * Spans are half-open ``[start, end)`` token indices; an empty span has ``start == end``.
+"""
+from __future__ import annotations
+
+import chex
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Trajectory:
+    tokens: chex.Array  # int32 [B, L] conversation, right-padded with the pad id
+    valid_mask: chex.Array  # bool [B, L] token present (False on padding)
+    loss_mask: chex.Array  # bool [B, L] token was sampled by the policy
+    sampler_logprobs: chex.Array  # float32 [B, L] log-prob of tokens[:, t] at sampling time (0 elsewhere)
+    turn_ids: chex.Array  # int32 [B, L] turn index of each token; -1 for the preamble and padding
+    token_rewards: chex.Array  # float32 [B, L] turn reward at each turn's last sampled token
+
+    turn_rewards: chex.Array  # float32 [B, T] env reward sum + format penalty per turn
+    turn_format_penalty: chex.Array  # float32 [B, T] the penalty part (<= 0)
+    turn_mask: chex.Array  # bool [B, T] turn took place
+    turn_last_token: chex.Array  # int32 [B, T] index of the turn's last sampled token (-1 if none)
+
+    # MI diagnostics. X_t = tokens[0:prompt_end[b, t]] (the whole context up to and including the
+    # forced "<think>" of turn t); Z_t = tokens[reasoning_start:reasoning_end] (the reasoning
+    # content without its tags). First-turn pairs use t = 0.
+    prompt_end: chex.Array  # int32 [B, T]
+    reasoning_start: chex.Array  # int32 [B, T]
+    reasoning_end: chex.Array  # int32 [B, T]
+
+    group_ids: chex.Array  # int32 [B]
+    episode_return: chex.Array  # float32 [B] sum of turn_rewards
+    success: chex.Array  # bool [B] terminated by the env with info.success
+    num_turns: chex.Array  # int32 [B]
+    num_actions: chex.Array  # int32 [B] env actions executed
+    valid_action_rate: chex.Array  # float32 [B] mean over turns of "all parsed actions valid"
+    effective_action_rate: chex.Array  # float32 [B] mean over executed actions of action_is_effective
+    response_length: chex.Array  # int32 [B] number of sampled tokens (sum of loss_mask)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def max_turns(self) -> int:
+        return self.turn_rewards.shape[1]
+
+    @property
+    def lengths(self) -> chex.Array:
+        """int32 [B] number of tokens in each row."""
+        return jnp.sum(self.valid_mask, axis=-1).astype(jnp.int32)

@@ -1,0 +1,39 @@
+"""ragen_jax: multi-turn RL for LLM agents (StarPO, SNR-adaptive filtering, collapse diagnostics) in JAX."""
+from setuptools import find_packages, setup
+
+setup(
+    name="ragen_jax",
+    version="0.1.0",
+    description="Multi-turn agent RL (StarPO / RAGEN-2) with on-device rollouts in JAX",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["environments", "environments.*", "ragen_jax", "ragen_jax.*"]),
+    package_data={"ragen_jax": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        # jax 0.10.x is the newest line that installs on Python 3.11.
+        "jax>=0.10.2,<0.11",
+        "jaxlib>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "chex>=0.1.90",
+        "orbax-checkpoint>=0.12,<0.13",
+        "numpy>=1.26",
+        "ml-collections>=1.0",
+        "absl-py>=2.1",
+        "tensorboardX>=2.6",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.22",
+        "safetensors>=0.4",
+        "gguf>=0.17",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        # torch is only the reference implementation in parity tests; pinned to the CPU wheel.
+        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0"],
+        # Peers measured in the same invocation by benchmarks/.
+        "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six"],
+    },
+)
