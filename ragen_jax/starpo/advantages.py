@@ -1,0 +1,410 @@
+"""StarPO advantage estimators and episode-score normalisation (pure ``jnp``, static shapes, jit-able).
+
+Axis convention (read this first)
+---------------------------------
+Every ``[B, L]`` array here is indexed by the token position of the ``Trajectory``. Index ``t``
+carries everything about the decision "sample token ``t``":
+
+  * ``loss_mask[:, t]``      token ``t`` was sampled by the policy,
+  * log-probs                ``log pi(tokens[t] | tokens[:t])`` — read from the logits at ``t - 1``,
+  * ``token_rewards[:, t]``  a turn's reward sits at that turn's last sampled token,
+  * ``values[:, t]``         ``V(tokens[:t])``: the critic's estimate of the state in which token
+                             ``t`` is chosen — the value head read at position ``t - 1``, exactly
+                             like the log-prob. ``align_to_targets(value_head_output)`` does the
+                             shift (and the same for logits-derived per-position quantities).
+
+Index 0 is never a target (``loss_mask[:, 0]`` is False) and ``align_to_targets`` fills it with 0.
+
+The original (verl) works on a "response axis" of width ``L - 1``: response index ``j`` predicts
+token ``j + 1`` from the logits *and* the value head at token ``j``. Our index ``t = j + 1``: our
+arrays are the original's moved one slot to the right, so both read the value head one position
+before the token being scored, and the GAE recursion is identical on both axes. (The original's
+off-by-one assistant mask is *not* reproduced: our ``loss_mask`` is exactly the sampled tokens.)
+
+Rewards placed on tokens outside ``loss_mask`` are ignored by the GAE estimators (the masked-carry
+rule below skips those positions entirely); the Trajectory never places them there.
+
+Group layout: rows form ``num_groups`` contiguous blocks of ``group_size`` rows (row ``i`` is in group
+``i // group_size``), so group statistics are a reshape to ``[num_groups, group_size]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ragen_jax.starpo.registry import Registry
+
+Array = jax.Array
+
+# Numerical constants of the original, kept so results are comparable run-for-run.
+SCORE_STD_EPS = 1e-6  # episode-score / GRPO std: (x - mean) / (std + 1e-6)
+WHITEN_EPS = 1e-8  # batch whitening: (A - mean) / sqrt(var + 1e-8)
+LENGTH_WEIGHT_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Small masked helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def align_to_targets(per_position: Array) -> Array:
+    """Moves per-position outputs onto the token they predict: ``out[:, t] = x[:, t - 1]``, ``out[:, 0] = 0``.
+
+    Use it for the value head (``[B, L]`` -> ``values``) and for any quantity computed from the
+    logits at each position (``[B, L, ...]``), so it lines up with ``loss_mask`` and rewards.
+    """
+    pad = jnp.zeros_like(per_position[:, :1])
+    return jnp.concatenate([pad, per_position[:, :-1]], axis=1)
+
+
+def masked_mean(x: Array, mask: Array) -> Array:
+    """Scalar mean of ``x`` over ``mask`` (any shape); 0 when the mask is empty."""
+    mask = mask.astype(x.dtype)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def masked_whiten(x: Array, mask: Array, eps: float = WHITEN_EPS) -> Array:
+    """``(x - mean_m) / sqrt(var_m + eps)`` with the Bessel-corrected (unbiased) masked variance.
+
+    Statistics use only masked entries; the output is zeroed outside the mask. With fewer than two
+    masked entries the variance is taken as 0 (the correction factor is undefined there).
+    """
+    m = mask.astype(x.dtype)
+    n = jnp.sum(m)
+    mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - 1.0, 1.0)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * m
+
+
+def _check_group_size(batch: int, group_size: int) -> int:
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}.")
+    if batch % group_size:
+        raise ValueError(
+            f"Batch of {batch} rows is not a whole number of groups of group_size={group_size}; "
+            "rows must be num_groups contiguous blocks of group_size."
+        )
+    return batch // group_size
+
+
+def group_view(x: Array, group_size: int) -> Array:
+    """``[B, ...]`` -> ``[num_groups, group_size, ...]`` (contiguous-block group layout)."""
+    num_groups = _check_group_size(x.shape[0], group_size)
+    return x.reshape((num_groups, group_size) + x.shape[1:])
+
+
+def group_mean_std(scores: Array, group_size: int) -> tuple[Array, Array]:
+    """Per-group mean and unbiased (ddof 1) std of ``scores [B]``, each ``[num_groups]``.
+
+    Size-1 groups get mean 0 and std 1 (so a lone sample keeps its raw score), as in RAGEN's GRPO.
+    """
+    g = group_view(scores, group_size)
+    if group_size == 1:
+        return jnp.zeros(g.shape[0], scores.dtype), jnp.ones(g.shape[0], scores.dtype)
+    return jnp.mean(g, axis=1), jnp.std(g, axis=1, ddof=1)
+
+
+def episode_scores(token_rewards: Array) -> Array:
+    """``[B, L]`` token rewards -> ``[B]`` episode scores (sum of all turn rewards and penalties)."""
+    return jnp.sum(token_rewards, axis=-1)
+
+
+def last_token_mask(loss_mask: Array) -> Array:
+    """bool ``[B, L]``: True at each row's last ``loss_mask`` token (all False for an empty row)."""
+    m = loss_mask.astype(jnp.int32)
+    tokens_from_here = jnp.flip(jnp.cumsum(jnp.flip(m, axis=1), axis=1), axis=1)
+    return (m == 1) & (tokens_from_here == 1)
+
+
+def place_at_last_token(scores: Array, loss_mask: Array) -> Array:
+    """``[B]`` episode scores -> ``[B, L]`` token rewards holding the score at the last sampled token.
+
+    This is the original's default (``use_turn_scores=False``) reward placement: one scalar per
+    episode, credited at the end of the response.
+    """
+    return jnp.where(last_token_mask(loss_mask), scores[:, None], 0.0).astype(scores.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Episode-score normalisation (per group or per batch)
+# ---------------------------------------------------------------------------------------------
+
+REWARD_NORMALIZATIONS: Registry[Callable[[Array, int], Array]] = Registry("reward normalization")
+
+
+@REWARD_NORMALIZATIONS.register("identity")
+def _identity_norm(scores: Array, group_size: int) -> Array:
+    return scores
+
+
+@REWARD_NORMALIZATIONS.register("mean")
+def _mean_norm(scores: Array, group_size: int) -> Array:
+    g = group_view(scores, group_size)
+    return (g - jnp.mean(g, axis=1, keepdims=True)).reshape(scores.shape)
+
+
+@REWARD_NORMALIZATIONS.register("mean_std")
+def _mean_std_norm(scores: Array, group_size: int) -> Array:
+    g = group_view(scores, group_size)
+    mean = jnp.mean(g, axis=1, keepdims=True)
+    std = jnp.std(g, axis=1, ddof=1, keepdims=True)
+    # A group whose members all scored the same carries no ranking signal: zeros, not 0/eps noise.
+    out = jnp.where(std <= SCORE_STD_EPS, 0.0, (g - mean) / (std + SCORE_STD_EPS))
+    return out.reshape(scores.shape).astype(scores.dtype)
+
+
+@REWARD_NORMALIZATIONS.register("asym_clip")
+def _asym_clip_norm(scores: Array, group_size: int) -> Array:
+    return jnp.clip(_mean_std_norm(scores, group_size), -1.0, 3.0)
+
+
+REWARD_GROUPINGS = Registry("reward normalization grouping")
+REWARD_GROUPINGS.add("state", "state")  # per env group (same initial state): group_size rows
+REWARD_GROUPINGS.add("batch", "batch")  # the whole batch is one group
+
+
+def normalize_scores(scores: Array, *, method: str, group_size: int, grouping: str = "state") -> Array:
+    """Normalises episode scores ``[B]`` within each group (``grouping='state'``) or the whole batch.
+
+    Methods (registry ``REWARD_NORMALIZATIONS``): ``identity``; ``mean`` (x - mean); ``mean_std``
+    ((x - mean) / (std + 1e-6) with the unbiased std, all zeros for a group whose std <= 1e-6);
+    ``asym_clip`` (``mean_std`` then clip to [-1, 3]). Groups of one member are left unchanged
+    (no statistics exist), matching the original.
+    """
+    fn = REWARD_NORMALIZATIONS.get(method)
+    REWARD_GROUPINGS.validate(grouping)
+    size = scores.shape[0] if grouping == "batch" else group_size
+    _check_group_size(scores.shape[0], size)
+    if size == 1:
+        return scores
+    return fn(scores, size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantage estimators
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator.
+
+    ``fn(token_rewards, values, loss_mask, turn_ids, *, group_size, gamma, lam, high_level_gamma)
+    -> (advantages [B, L], returns [B, L])``, both zero outside ``loss_mask``, *before* whitening.
+    Every estimator takes the same keywords and ignores those it does not use.
+    ``uses_critic``: needs ``values`` (and a value loss). ``whiten_default``: batch-whitened unless
+    the caller overrides (True for GAE-family estimators, False for GRPO-family, as in the original).
+    """
+
+    fn: Callable[..., tuple[Array, Array]]
+    uses_critic: bool
+    whiten_default: bool
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def _reverse_scan(step, carry, xs):
+    """``lax.scan`` backwards over the token axis of ``[B, L]`` inputs; returns ``[B, L]`` outputs."""
+    xs_t = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), xs)
+    _, ys = jax.lax.scan(step, carry, xs_t, reverse=True)
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), ys)
+
+
+def gae(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=1.0, lam=1.0,
+        high_level_gamma=0.95):
+    """Generalised advantage estimation over the sampled tokens (masked-carry rule, spec §5.2).
+
+    Backwards over ``t = L-1 … 0`` with carries ``next_v`` and ``gae`` (both 0 at the end):
+
+        delta_t = r_t + gamma * next_v - V_t
+        gae_t   = delta_t + gamma * lam * gae
+        if m_t: next_v <- V_t ; gae <- gae_t        (unmasked tokens carry both through untouched)
+        A_t = gae_t * m_t ;  returns_t = (A_t + V_t) * m_t
+
+    so observation tokens between turns are skipped as if the sampled tokens were contiguous.
+    With gamma = lam = 1 and one terminal reward R: ``A_t = R - V_t`` and ``returns_t = R``.
+
+    Args: token_rewards, values float ``[B, L]``; loss_mask bool ``[B, L]``. Other keywords unused.
+    Returns: advantages, returns float ``[B, L]`` (un-whitened).
+    """
+    del turn_ids, group_size, high_level_gamma
+    m = loss_mask.astype(values.dtype)
+    r = token_rewards.astype(values.dtype)
+
+    def step(carry, x):
+        next_v, carry_gae = carry
+        r_t, v_t, m_t = x
+        delta = r_t + gamma * next_v - v_t
+        gae_t = delta + gamma * lam * carry_gae
+        keep = m_t > 0
+        next_v = jnp.where(keep, v_t, next_v)
+        carry_gae = jnp.where(keep, gae_t, carry_gae)
+        return (next_v, carry_gae), gae_t * m_t
+
+    zeros = jnp.zeros(values.shape[0], values.dtype)
+    adv = _reverse_scan(step, (zeros, zeros), (r, values, m))
+    return adv, (adv + values) * m
+
+
+def bilevel_gae(token_rewards, values, loss_mask, turn_ids, *, group_size=1, gamma=1.0, lam=1.0,
+                high_level_gamma=0.95):
+    """Bi-level (turn-level then token-level) GAE.
+
+    Per row, let ``e_1 < … < e_K`` be the turn ends — the last sampled token of each turn, found
+    from ``turn_ids`` over ``loss_mask`` tokens — and ``V_k = values[e_k]`` the value read at that
+    turn boundary, ``r_k = token_rewards[e_k]`` the turn's reward.
+
+    High level, backwards over turns with ``gamma_H = high_level_gamma`` (``V_{K+1} = A^H_{K+1} = 0``):
+
+        delta^H_k = r_k + gamma_H * V_{k+1} - V_k
+        A^H_k     = delta^H_k + gamma_H * lam * A^H_{k+1}
+        G_k       = A^H_k + V_k                             (turn-level return)
+
+    Low level, backwards over the sampled tokens of turn ``k`` only (the recursion restarts at every
+    turn end; unmasked tokens are skipped as in ``gae``), with ``G_k`` as the turn's terminal reward:
+
+        t = e_k:                A_t = G_k - V_t  (= A^H_k)
+        earlier sampled t,      delta_t = r_t + gamma * V_{t'} - V_t
+        next sampled t' in k:   A_t = delta_t + gamma * lam * A_{t'}
+
+    ``returns_t = A_t + V_t`` on sampled tokens, 0 elsewhere. With gamma = lam = 1 every token of turn
+    ``k`` gets ``A_t = G_k - V_t``. Rewards on sampled tokens that are not a turn end enter the
+    low-level deltas (the Trajectory puts none there). Turn ends are defined by the turn structure,
+    not by "reward != 0", so zero-reward turns are handled (the original crashes on them).
+
+    Args: token_rewards, values float ``[B, L]``; loss_mask bool ``[B, L]``; turn_ids int ``[B, L]``.
+    Returns: advantages, returns float ``[B, L]`` (un-whitened).
+    """
+    del group_size
+    if turn_ids is None:
+        raise ValueError("bilevel_gae needs turn_ids [B, L] (Trajectory.turn_ids) to find turn ends.")
+    m = loss_mask.astype(values.dtype)
+    r = token_rewards.astype(values.dtype)
+    turn_ids = turn_ids.astype(jnp.int32)
+    batch = values.shape[0]
+
+    def step(carry, x):
+        next_turn, high_v, high_a, low_v, low_a = carry
+        r_t, v_t, m_t, turn_t = x
+        sampled = m_t > 0
+        is_end = sampled & (turn_t != next_turn)
+        high_delta = r_t + high_level_gamma * high_v - v_t
+        high_adv = high_delta + high_level_gamma * lam * high_a
+        low_adv = r_t + gamma * low_v - v_t + gamma * lam * low_a
+        adv_t = jnp.where(is_end, high_adv, low_adv)
+        high_v = jnp.where(is_end, v_t, high_v)
+        high_a = jnp.where(is_end, high_adv, high_a)
+        low_v = jnp.where(sampled, v_t, low_v)
+        low_a = jnp.where(sampled, adv_t, low_a)
+        next_turn = jnp.where(sampled, turn_t, next_turn)
+        return (next_turn, high_v, high_a, low_v, low_a), adv_t * m_t
+
+    zeros = jnp.zeros(batch, values.dtype)
+    # Sentinel below every real turn id (-1 marks preamble/padding), so the last sampled token ends a turn.
+    no_turn = jnp.full(batch, jnp.iinfo(jnp.int32).min, jnp.int32)
+    adv = _reverse_scan(step, (no_turn, zeros, zeros, zeros, zeros), (r, values, m, turn_ids))
+    return adv, (adv + values) * m
+
+
+def _grpo_like(token_rewards, loss_mask, group_size, scale_by_std):
+    scores = episode_scores(token_rewards)
+    mean, std = group_mean_std(scores, group_size)
+    centred = group_view(scores, group_size) - mean[:, None]
+    if scale_by_std:
+        centred = centred / (std[:, None] + SCORE_STD_EPS)
+    adv = centred.reshape(scores.shape)[:, None] * loss_mask.astype(scores.dtype)
+    return adv, adv
+
+
+def grpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
+         high_level_gamma=0.95):
+    """GRPO: group z-score of episode scores, broadcast over the sampled tokens (no critic).
+
+    ``s_i = sum_t r_{i,t}``; ``A_i = (s_i - mean_g) / (std_g + 1e-6)`` with the unbiased group std;
+    groups of one member use mean 0, std 1. ``A_{i,t} = A_i * m_{i,t}``; returns = advantages.
+    ``values``/``turn_ids``/``gamma``/``lam`` are unused (pass ``values=None``).
+    """
+    del values, turn_ids, gamma, lam, high_level_gamma
+    return _grpo_like(token_rewards, loss_mask, group_size, scale_by_std=True)
+
+
+def drgrpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
+           high_level_gamma=0.95):
+    """Dr. GRPO: ``A_i = s_i - mean_g`` (no std scaling; size-1 groups use mean 0), broadcast over ``m``."""
+    del values, turn_ids, gamma, lam, high_level_gamma
+    return _grpo_like(token_rewards, loss_mask, group_size, scale_by_std=False)
+
+
+ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimator(gae, uses_critic=True, whiten_default=True))
+ADVANTAGE_ESTIMATORS.add("bilevel_gae", AdvantageEstimator(bilevel_gae, uses_critic=True, whiten_default=True))
+ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False))
+
+
+def length_weight(advantages: Array, loss_mask: Array) -> Array:
+    """GRPO length weighting (spec §5.3.3): ``A_i <- A_i / ((n_i + 1e-6) / mean_j n_j)``, ``n_i = sum_t m_{i,t}``.
+
+    Longer responses get proportionally smaller per-token advantages, so every episode carries about
+    the same total weight under token-mean aggregation.
+    """
+    n = jnp.sum(loss_mask.astype(advantages.dtype), axis=-1)
+    scale = (n + LENGTH_WEIGHT_EPS) / jnp.mean(n)
+    return advantages / scale[:, None]
+
+
+def compute_advantages(
+    estimator: str,
+    token_rewards: Array,
+    values: Optional[Array],
+    loss_mask: Array,
+    turn_ids: Optional[Array] = None,
+    *,
+    group_size: int,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    high_level_gamma: float = 0.95,
+    whiten: Optional[bool] = None,
+    grpo_length_weight: bool = False,
+) -> tuple[Array, Array]:
+    """Runs a registered estimator, then the optional batch whitening and GRPO length weighting.
+
+    Args:
+      estimator: name in ``ADVANTAGE_ESTIMATORS`` (``gae``, ``bilevel_gae``, ``grpo``, ``drgrpo``).
+      token_rewards: float ``[B, L]`` turn rewards at each turn's last sampled token (see module doc).
+      values: float ``[B, L]`` ``V(tokens[:t])`` (``align_to_targets`` of the value head); ``None``
+        is allowed for critic-free estimators.
+      loss_mask: bool ``[B, L]`` sampled tokens (already zeroed for rows the SNR filter dropped,
+        if the caller wants them out of the whitening statistics).
+      turn_ids: int ``[B, L]`` (needed by ``bilevel_gae``).
+      group_size: rows per group (contiguous blocks).
+      gamma, lam, high_level_gamma: discount, GAE lambda, turn-level discount (bi-level only).
+      whiten: batch-whiten over ``loss_mask`` (unbiased var, +1e-8); ``None`` = estimator default.
+      grpo_length_weight: apply ``length_weight`` after whitening (the original's order).
+
+    Returns: ``(advantages, returns)`` float ``[B, L]``, zero outside ``loss_mask``; ``returns`` are
+    the pre-whitening ``A + V`` (the critic's targets), equal to the advantages for GRPO.
+    """
+    est = ADVANTAGE_ESTIMATORS.get(estimator)
+    if est.uses_critic and values is None:
+        raise ValueError(f"Advantage estimator {estimator!r} uses a critic: pass values [B, L].")
+    if values is None:
+        values = jnp.zeros(token_rewards.shape, jnp.float32)
+    if token_rewards.shape != loss_mask.shape or values.shape != loss_mask.shape:
+        raise ValueError(
+            f"token_rewards {token_rewards.shape}, values {values.shape} and loss_mask "
+            f"{loss_mask.shape} must all be [B, L]."
+        )
+    _check_group_size(loss_mask.shape[0], group_size)
+    adv, returns = est.fn(
+        token_rewards, values, loss_mask, turn_ids,
+        group_size=group_size, gamma=gamma, lam=lam, high_level_gamma=high_level_gamma,
+    )
+    if est.whiten_default if whiten is None else whiten:
+        adv = masked_whiten(adv, loss_mask)
+    if grpo_length_weight:
+        adv = length_weight(adv, loss_mask)
+    return adv, returns
