@@ -1,0 +1,173 @@
+"""TensorBoard logging: scalars by family, sample transcripts, the MI-vs-entropy quadrant image.
+
+Metric names are ``family/name``. The families a training run writes (spec §4.6, §5.4–5.5, §6.4, §7):
+
+    train/       success, pass@k, return, lengths, valid / effective action rates
+    rollout/     SNR filter metrics (in-group reward std, kept ratio, empty-after-filter, ...)
+    actor/       policy loss, clip fractions, KL, entropy, grad norm
+    critic/      value loss, clip fraction
+    collapse/    MI proxy, H(Z|X), H(Z), retrieval accuracy, regime
+    early_stop/  the three stop signals (empty filter, reward-variance collapse, MI collapse)
+    val/         evaluation success / pass@k on the fixed validation seeds
+    timing_s/    rollout / update / step wall time, tokens per second
+
+``read_scalars`` parses an event file back (a TFRecord stream of ``Event`` protos) so tests and
+notebooks can check what was written without the ``tensorboard`` package.
+"""
+from __future__ import annotations
+
+import io
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+REGIMES = ("diverse", "template_collapse", "compressed", "low_entropy_collapse")
+
+
+def to_host_scalars(metrics: Mapping) -> dict[str, float]:
+    """Flatten a (possibly nested, device-resident) metrics mapping to ``{"a/b": float}``.
+
+    Non-scalar arrays are skipped (transcripts and tables are logged separately).
+    """
+    out: dict[str, float] = {}
+
+    def visit(prefix: str, value) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(f"{prefix}/{k}" if prefix else str(k), v)
+            return
+        arr = np.asarray(value)
+        if arr.ndim == 0 and arr.dtype.kind in "biuf":
+            out[prefix] = float(arr)
+
+    visit("", metrics)
+    return out
+
+
+def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple[float, float] | None = None):
+    """Scatter MI (y) against H(Z|X) (x) over training, coloured by step; returns an RGB array.
+
+    The four quadrants relative to the baseline are RAGEN-2's regimes: diverse reasoning (high MI,
+    high H(Z|X)), template collapse (low MI, high H(Z|X)), compressed (high MI, low H(Z|X)) and
+    low-entropy collapse (low, low).
+
+    Args:
+      history: ``(step, mi, conditional_entropy)`` triples.
+      baseline: ``(mi, conditional_entropy)`` reference for the quadrant lines (None: no lines).
+    Returns:
+      uint8 ``[H, W, 3]`` image.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = np.asarray(list(history), dtype=np.float64).reshape(-1, 3)
+    fig, ax = plt.subplots(figsize=(4.5, 4), dpi=80)
+    if len(pts):
+        sc = ax.scatter(pts[:, 2], pts[:, 1], c=pts[:, 0], cmap="viridis", s=18)
+        ax.plot(pts[:, 2], pts[:, 1], lw=0.5, color="grey")
+        fig.colorbar(sc, ax=ax, label="step")
+    if baseline is not None:
+        ax.axhline(0.5 * baseline[0], color="red", lw=0.8, ls="--")
+        ax.axvline(0.5 * baseline[1], color="red", lw=0.8, ls="--")
+    ax.set_xlabel("H(Z|X)  (conditional entropy, nats/token)")
+    ax.set_ylabel("MI proxy  I(X;Z)")
+    ax.set_title("Reasoning regime")
+    fig.tight_layout()
+    fig.canvas.draw()
+    img = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return img
+
+
+class Logger:
+    """TensorBoard writer (tensorboardX) plus an optional JSONL mirror of every scalar row."""
+
+    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True):
+        self.log_dir = Path(log_dir)
+        self.enabled = enabled
+        self._writer = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(str(self.log_dir), flush_secs=10)
+
+    def scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self._writer:
+            return
+        for name, value in metrics.items():
+            if np.isfinite(value):
+                self._writer.add_scalar(name, value, step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self._writer:
+            # Markdown code block: keeps the board's line breaks in TensorBoard's text view.
+            self._writer.add_text(tag, "```\n" + text + "\n```", step)
+
+    def image(self, step: int, tag: str, rgb: np.ndarray) -> None:
+        if self._writer:
+            self._writer.add_image(tag, rgb, step, dataformats="HWC")
+
+    def flush(self) -> None:
+        if self._writer:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer:
+            self._writer.close()
+            self._writer = None
+
+
+def _records(path: Path):
+    """Yield the payloads of a TFRecord file (length, crc, data, crc)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    buf = io.BytesIO(data)
+    while True:
+        header = buf.read(8)
+        if len(header) < 8:
+            return
+        (length,) = struct.unpack("<Q", header)
+        buf.read(4)
+        payload = buf.read(length)
+        buf.read(4)
+        yield payload
+
+
+def read_events(log_dir: str | os.PathLike) -> dict[str, list]:
+    """Read every event file under ``log_dir``: ``{tag: [(step, value_or_kind), ...]}``.
+
+    Scalars give their float value; text and images give the strings ``"text"`` / ``"image"``.
+    """
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list] = {}
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        for payload in _records(path):
+            ev = event_pb2.Event()
+            ev.ParseFromString(payload)
+            if not ev.HasField("summary"):
+                continue
+            for v in ev.summary.value:
+                if v.HasField("simple_value"):
+                    val = float(v.simple_value)
+                elif v.HasField("image"):
+                    val = "image"
+                elif v.HasField("tensor") or v.metadata.plugin_data.plugin_name == "text":
+                    val = "text"
+                else:
+                    continue
+                tag = v.tag[: -len("/text_summary")] if v.tag.endswith("/text_summary") else v.tag
+                out.setdefault(tag, []).append((int(ev.step), val))
+    return out
+
+
+def read_scalars(log_dir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """Scalar series only, ``{tag: [(step, value), ...]}``."""
+    return {k: [(s, v) for s, v in vs if isinstance(v, float)]
+            for k, vs in read_events(log_dir).items() if any(isinstance(v, float) for _, v in vs)}
