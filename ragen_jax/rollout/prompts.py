@@ -1,0 +1,159 @@
+"""The text the agent reads: system message, per-turn user blocks, reward messages, warning.
+
+RAGEN's prompt (spec §4.2), with its bugs fixed:
+  * the symbol legend and the action list come from the environment actually configured
+    (``env.legend()``, ``env.action_names``), not from dataclass defaults;
+  * the sentence about actions states ``max_actions_per_turn`` — the number the loop executes
+    per turn — instead of the episode budget;
+  * the coordinate range in the Sokoban/FrozenLake coordinate hint is the real board size.
+
+Conversation layout (one user message per turn, the reward of the previous turn opening it)::
+
+    system:    "You're a helpful assistant. " + instruction [+ legend] [+ coord hint] + actions
+    user:      "\\nTurn 1:\\nState:\\n{obs}\\nYou have 10 actions left. Always output: ... \\n"
+    assistant: "<think>" (forced) + sampled reply
+    user:      "Reward:\\n{r}\\n" + "\\nTurn 2:\\nState:\\n{obs}\\n" [+ warning] + "You have 8 ..."
+    ...
+
+Every function here is host-side and returns ``str``; the device builds the same text from token
+tables (``codec.py``) and tests check the two agree character for character.
+"""
+from __future__ import annotations
+
+SYSTEM_PREFIX = "You're a helpful assistant. "
+
+INVALID_ACTION_WARNING = (
+    "No valid action provided previously. Environment state remains the same. Please try again.\n"
+)
+
+THINK_FORMAT = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
+ANSWER_FORMAT = "<answer> [your answer] </answer>"
+
+ACTION_SEPARATOR = "||"
+
+# Instructions per environment. Sokoban's and FrozenLake's end with "\n" (they were YAML block
+# scalars in the original, so the legend starts on a fresh line after one blank line).
+SOKOBAN_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
+    "When you are right next to a box, you can push it by moving in the same direction. "
+    "You cannot push a box through a wall, and you cannot pull a box. "
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+SOKOBAN_COORD_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
+    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
+    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
+    "You cannot push a box through a wall, and you cannot pull a box.\n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+FROZEN_LAKE_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
+    "The ice is slippery: a move may take you in a direction you did not intend. "
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+FROZEN_LAKE_COORD_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
+    "The ice is slippery: a move may take you in a direction you did not intend.\n"
+    "You are provided with the zero-indexed coordinates of the start, the goal, the player and each hole. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+BANDIT_INSTRUCTION = (
+    "You are playing a two-armed bandit game. Each arm pays out from its own reward distribution, "
+    "which is hinted at by the arm's name. Think about what each name suggests about how risky and "
+    "how rewarding that arm is, then choose the arm you expect to give the higher reward. "
+    "Answer with the arm's name, like <answer> ArmName </answer>."
+)
+
+
+def env_instruction(env_name: str, fmt: str, board_shape: tuple[int, int] | None = None) -> str:
+    """The instruction paragraph for an environment and observation format.
+
+    ``board_shape`` (rows, cols) fills the coordinate range of the coordinate formats; it is the
+    configured board, so an 8×8 Sokoban reads "(7, 7)" (the original always said "(5, 5)").
+    """
+    coord = fmt in ("coord", "grid_coord")
+    if env_name in ("sokoban", "frozen_lake") and coord:
+        if board_shape is None:
+            raise ValueError(f"{env_name} with observation_format={fmt!r} needs board_shape=(rows, cols)")
+        template = SOKOBAN_COORD_INSTRUCTION if env_name == "sokoban" else FROZEN_LAKE_COORD_INSTRUCTION
+        return template.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
+    table = {"sokoban": SOKOBAN_INSTRUCTION, "frozen_lake": FROZEN_LAKE_INSTRUCTION, "bandit": BANDIT_INSTRUCTION}
+    if env_name not in table:
+        raise ValueError(
+            f"no built-in instruction for environment {env_name!r}; pass instruction=... to "
+            f"system_message (built-in: {sorted(table)})"
+        )
+    return table[env_name]
+
+
+def system_message(
+    instruction: str,
+    *,
+    legend: str | None,
+    action_names: tuple[str, ...] | None,
+    max_actions_per_turn: int,
+) -> str:
+    """``"You're a helpful assistant. " + instruction + legend + action list``.
+
+    ``legend`` is ``env.legend()`` for observation formats that show the symbol grid (``None`` for
+    pure-coordinate or free-text observations); ``action_names`` is ``env.action_names`` (``None``
+    for language environments whose actions are free text).
+    """
+    text = SYSTEM_PREFIX + instruction
+    if legend:
+        text += "\nThe meaning of each symbol in the state is:\n" + legend
+    if action_names:
+        text += "\nYour available actions are:\n" + ", ".join(action_names)
+        text += (
+            f"\nYou can make up to {max_actions_per_turn} actions, separated by the action separator"
+            f' " {ACTION_SEPARATOR} "\n'
+        )
+    return text
+
+
+def format_instruction(enable_think: bool) -> str:
+    return THINK_FORMAT if enable_think else ANSWER_FORMAT
+
+
+def forced_prefix(enable_think: bool) -> str:
+    """Text forced after the assistant header: the model continues from inside ``<think>``."""
+    return "<think>" if enable_think else "<answer>"
+
+
+def turn_block(
+    turn: int,
+    state_text: str,
+    actions_left: int,
+    *,
+    warning: bool,
+    enable_think: bool,
+    max_words: int,
+) -> str:
+    """One turn's user text (``turn`` is 1-based, as printed)."""
+    return (
+        f"\nTurn {turn}:\nState:\n{state_text}\n"
+        + (INVALID_ACTION_WARNING if warning else "")
+        + f"You have {actions_left} actions left. Always output: {format_instruction(enable_think)}"
+        " with no extra text. Strictly follow this format. "
+        f"Max response length: {max_words} words (tokens).\n"
+    )
+
+
+def reward_text(reward: float | None, decimals: int = 1) -> str:
+    """The reward as printed in ``"Reward:\\n{r}\\n"``.
+
+    ``None`` means the environment was not stepped (no valid action): the original printed its
+    integer accumulator, ``"0"``. Otherwise the value is rounded to ``decimals`` places and printed
+    with Python's float repr (``-0.2``, ``10.8``, ``0.0``). Rounding removes float noise such as
+    ``10.799999999999999`` that the original's running sum could show; the device renders from a
+    table of exactly these strings (see ``codec.NumberTables``).
+    """
+    if reward is None:
+        return "0"
+    return repr(round(float(reward), decimals) + 0.0)
+
+
+def reward_message(reward: float | None, decimals: int = 1) -> str:
+    return f"Reward:\n{reward_text(reward, decimals)}\n"
