@@ -146,3 +146,115 @@ def length_weight(adv, mask):
     for b, n in enumerate(lengths):
         out[b] = adv[b] / ((n + 1e-6) / avg)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses (spec §5.4, §5.5)
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_token(logp, old_logp, adv, eps_low, eps_high, c):
+    """Clipped surrogate of one token; returns (loss, clipped, dual_clip_binds, approx_kl)."""
+    delta = min(max(logp - old_logp, -20.0), 20.0)
+    ratio = math.exp(delta)
+    l1 = -adv * ratio
+    l2 = -adv * min(max(ratio, 1.0 - eps_low), 1.0 + eps_high)
+    lc = max(l1, l2)
+    binds = False
+    loss = lc
+    if c is not None and adv < 0:
+        l3 = -adv * c
+        binds = lc > l3
+        loss = min(lc, l3)
+    return loss, l2 > l1, binds, -delta
+
+
+def ppo(logp, old_logp, adv, mask, eps_low, eps_high, c):
+    B, L = logp.shape
+    loss = np.zeros((B, L))
+    clipped, lower, kls = [], [], []
+    for b in range(B):
+        for t in range(L):
+            if not mask[b, t]:
+                continue
+            loss[b, t], cl, lo, kl = ppo_token(logp[b, t], old_logp[b, t], adv[b, t], eps_low, eps_high, c)
+            clipped.append(float(cl))
+            lower.append(float(lo))
+            kls.append(kl)
+    return loss, {"pg_clipfrac": mean(clipped), "pg_clipfrac_lower": mean(lower), "ppo_kl": mean(kls)}
+
+
+def kl_token(name, logp, ref):
+    base = name.rstrip("+")
+    if base in ("kl", "k1"):
+        return logp - ref
+    if base == "abs":
+        return abs(logp - ref)
+    if base in ("mse", "k2"):
+        return 0.5 * (logp - ref) ** 2
+    if base in ("low_var_kl", "k3"):
+        d = min(max(ref - logp, -20.0), 20.0)
+        return min(max(math.exp(d) - d - 1.0, -10.0), 10.0)
+    raise KeyError(name)
+
+
+def aggregate(x, mask, mode, row_weights=None):
+    """(numerator, denominator) with explicit loops."""
+    B, L = x.shape
+    w = [1.0] * B if row_weights is None else [float(v) for v in row_weights]
+    num = den = 0.0
+    for b in range(B):
+        n = sum(float(mask[b, t]) for t in range(L))
+        s = sum(float(mask[b, t]) * x[b, t] for t in range(L))
+        if mode == "token-mean":
+            num += w[b] * s
+            den += w[b] * n
+        elif mode == "seq-mean-token-mean":
+            if n > 0:
+                num += w[b] * s / n
+                den += w[b]
+        elif mode == "seq-mean-token-sum":
+            if n > 0:
+                num += w[b] * s
+                den += w[b]
+        elif mode == "seq-mean-token-sum-norm":
+            num += w[b] * s
+            den += w[b] * L
+        else:
+            raise KeyError(mode)
+    return num, den
+
+
+def value_loss(v, v_old, ret, mask, clip):
+    B, L = v.shape
+    loss = np.zeros((B, L))
+    clipped, preds = [], []
+    for b in range(B):
+        for t in range(L):
+            if not mask[b, t]:
+                continue
+            vc = min(max(v[b, t], v_old[b, t] - clip), v_old[b, t] + clip)
+            a, c = (v[b, t] - ret[b, t]) ** 2, (vc - ret[b, t]) ** 2
+            loss[b, t] = 0.5 * max(a, c)
+            clipped.append(float(c > a))
+            preds.append(v[b, t])
+    return loss, {"vf_clipfrac": mean(clipped), "vpred_mean": mean(preds)}
+
+
+def log_softmax(row):
+    top = max(row)
+    lse = top + math.log(sum(math.exp(z - top) for z in row))
+    return [z - lse for z in row]
+
+
+def token_logprobs_and_entropy(logits, tokens):
+    """logits [B, L, V]: token t scored by the logits at t - 1."""
+    B, L, _ = logits.shape
+    logp = np.zeros((B, L))
+    ent = np.zeros((B, L))
+    for b in range(B):
+        for t in range(1, L):
+            lp = log_softmax(list(logits[b, t - 1]))
+            logp[b, t] = lp[tokens[b, t]]
+            ent[b, t] = -sum(math.exp(z) * z for z in lp)
+    return logp, ent

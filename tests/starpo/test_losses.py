@@ -1,0 +1,224 @@
+"""Policy/value losses, KL estimators and loss aggregation against NumPy re-derivations.
+
+Random inputs come from seeded ``numpy.random.default_rng`` generators (reproducible runs).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ragen_jax.starpo import losses
+from tests.starpo import numpy_reference as ref
+
+
+def random_policy_batch(seed, batch=6, length=12):
+    rng = np.random.default_rng(seed)
+    logp = -rng.exponential(1.0, size=(batch, length))
+    # Log-ratios spread wide enough to hit both clip edges, the dual clip and the +-20 clamp.
+    old = logp - rng.normal(scale=0.5, size=(batch, length))
+    old[0, :3] = logp[0, :3] - np.array([25.0, -30.0, 3.0])
+    adv = rng.normal(scale=2.0, size=(batch, length))
+    mask = rng.random((batch, length)) < 0.7
+    # Negative advantages with ratio e^1.5 > 3: the dual clip binds for c = 3.
+    old[1, 1:3] = logp[1, 1:3] - 1.5
+    adv[1, 1:3] = -1.0
+    mask[1, 1:3] = True
+    mask[:, 0] = False
+    mask[-1] = False  # an empty row
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("eps_low,eps_high,c", [(0.2, 0.28, 3.0), (0.2, 0.2, None), (0.1, 0.3, 1.5)])
+def test_ppo_clip_loss_matches_reference(seed, eps_low, eps_high, c):
+    logp, old, adv, mask = random_policy_batch(seed)
+    want, want_metrics = ref.ppo(logp, old, adv, mask, eps_low, eps_high, c)
+    got, metrics = losses.policy_loss(
+        "ppo", *(jnp.asarray(a, jnp.float32) for a in (logp, old, adv)), jnp.asarray(mask),
+        clip_ratio_low=eps_low, clip_ratio_high=eps_high, clip_ratio_c=c)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for k, v in want_metrics.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert want_metrics["pg_clipfrac"] > 0  # the batch really exercises clipping
+    if c is not None and c > 2:
+        assert want_metrics["pg_clipfrac_lower"] > 0
+
+
+def test_ppo_worked_example():
+    """Hand-worked tokens (eps 0.2/0.28, c = 3).
+
+    t=1: A=-1, ratio e:   L1 = e, L2 = 1.28, Lc = e < 3            -> e
+    t=2: A=-1, ratio e^2: Lc = e^2 = 7.39 > 3 (dual clip binds)   -> 3
+    t=3: A=+1, ratio 1/e: L1 = -0.368, L2 = -0.8, Lc = max        -> -1/e
+    """
+    logp = jnp.array([[0.0, 1.0, 2.0, -1.0]])
+    adv = jnp.array([[0.0, -1.0, -1.0, 1.0]])
+    mask = jnp.array([[False, True, True, True]])
+    got, m = losses.ppo_clip_loss(logp, jnp.zeros((1, 4)), adv, mask)
+    np.testing.assert_allclose(got, [[0.0, np.e, 3.0, -np.exp(-1.0)]], rtol=1e-6)
+    np.testing.assert_allclose(m["pg_clipfrac"], 0.0)  # L2 > L1 nowhere
+    np.testing.assert_allclose(m["pg_clipfrac_lower"], 1.0 / 3.0, rtol=1e-6)
+    np.testing.assert_allclose(m["ppo_kl"], -2.0 / 3.0, rtol=1e-6)
+
+
+def test_ppo_worked_example_positive_advantage_low_ratio():
+    got, _ = losses.ppo_clip_loss(jnp.array([[-1.0]]), jnp.zeros((1, 1)), jnp.ones((1, 1)),
+                                  jnp.ones((1, 1), bool))
+    np.testing.assert_allclose(got, [[-np.exp(-1.0)]], rtol=1e-6)
+
+
+def test_ppo_gradient_is_zero_when_clipped():
+    """Positive advantage and ratio above 1 + eps_high: the clipped branch has no gradient."""
+    grad = jax.grad(lambda lp: losses.ppo_clip_loss(lp, jnp.zeros((1, 2)), jnp.ones((1, 2)),
+                                                    jnp.ones((1, 2), bool))[0].sum())
+    g = grad(jnp.array([[0.5, 0.1]]))
+    np.testing.assert_allclose(g, [[0.0, -np.exp(0.1)]], rtol=1e-6)
+
+
+def test_bad_dual_clip_is_rejected():
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        losses.ppo_clip_loss(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros((1, 1)),
+                             jnp.ones((1, 1), bool), clip_ratio_c=0.9)
+
+
+@pytest.mark.parametrize("name", losses.KL_ESTIMATORS.names())
+def test_kl_estimators_match_reference(name):
+    rng = np.random.default_rng(1)
+    logp = -rng.exponential(1.0, size=(4, 9))
+    ref_logp = logp + rng.normal(scale=2.0, size=(4, 9))
+    ref_logp[0, 0] = logp[0, 0] + 30.0  # exercises the k3 clamps
+    want = np.vectorize(lambda a, b: ref.kl_token(name, a, b))(logp, ref_logp)
+    got = losses.kl_penalty(name, jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kl+", "abs+", "low_var_kl+", "k3+"])
+def test_straight_through_kl_has_k2_gradient(name):
+    rng = np.random.default_rng(2)
+    logp = jnp.asarray(-rng.exponential(1.0, size=(3, 5)), jnp.float32)
+    ref_logp = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    g = jax.grad(lambda lp: losses.kl_penalty(name, lp, ref_logp).sum())(logp)
+    np.testing.assert_allclose(g, logp - ref_logp, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_in_reward_and_adaptive_controller():
+    rng = np.random.default_rng(4)
+    r = rng.normal(size=(3, 6))
+    logp = -rng.exponential(size=(3, 6))
+    ref_logp = -rng.exponential(size=(3, 6))
+    mask = rng.random((3, 6)) < 0.6
+    mask[2] = False
+    new_r, current = losses.apply_kl_in_reward(
+        *(jnp.asarray(a, jnp.float32) for a in (r, logp, ref_logp)), jnp.asarray(mask),
+        beta=0.1, estimator="low_var_kl")
+    kl = np.vectorize(lambda a, b: ref.kl_token("k3", a, b))(logp, ref_logp) * mask
+    np.testing.assert_allclose(new_r, r - 0.1 * kl, rtol=1e-5, atol=1e-6)
+    rows = [kl[b][mask[b]].mean() for b in range(3) if mask[b].any()]
+    np.testing.assert_allclose(current, np.mean(rows), rtol=1e-5)
+    # kl twice the target: error clipped to +0.2, beta grows by 0.2 * 64 / 1000.
+    np.testing.assert_allclose(losses.adaptive_kl_coef(0.1, 0.2, 64, target_kl=0.1, horizon=1000),
+                               0.1 * (1 + 0.2 * 64 / 1000), rtol=1e-6)
+    np.testing.assert_allclose(losses.adaptive_kl_coef(0.1, 0.095, 10, target_kl=0.1, horizon=100),
+                               0.1 * (1 - 0.05 * 10 / 100), rtol=1e-6)
+
+
+MODES = losses.LOSS_AGGREGATIONS.names()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_aggregation_matches_reference(mode, weighted):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(7, 10))
+    mask = rng.random((7, 10)) < 0.5
+    mask[3] = False
+    w = rng.random(7) * (rng.random(7) < 0.8) if weighted else None
+    want = ref.aggregate(x, mask, mode, w)
+    got = losses.aggregate(jnp.asarray(x, jnp.float32), jnp.asarray(mask), mode,
+                           None if w is None else jnp.asarray(w, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(losses.loss_denominator(jnp.asarray(mask), mode,
+                                                       None if w is None else jnp.asarray(w)),
+                               want[1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregation_exact_under_micro_batching(mode):
+    """Sum of numerators / sum of denominators over any micro-batch split == full-batch value."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(12, 8))
+    mask = rng.random((12, 8)) < 0.4
+    w = (rng.random(12) < 0.75).astype(float)  # SNR-filter style 0/1 row weights
+    full_num, full_den = ref.aggregate(x, mask, mode, w)
+    for cuts in ([4, 8], [1, 2, 3, 5, 11], [6]):
+        parts = [losses.aggregate(jnp.asarray(xs, jnp.float32), jnp.asarray(ms), mode, jnp.asarray(ws))
+                 for xs, ms, ws in zip(np.split(x, cuts), np.split(mask, cuts), np.split(w, cuts))]
+        np.testing.assert_allclose(losses.combine(parts), full_num / full_den, rtol=1e-5)
+
+
+def test_micro_batch_token_mean_differs_from_naive_average():
+    """The original's per-micro-batch token-mean averaged over micro-batches is a different number."""
+    x = np.array([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = np.array([[1, 1, 1], [1, 0, 0]], bool)
+    parts = [losses.aggregate(jnp.asarray(x[i:i + 1]), jnp.asarray(mask[i:i + 1]), "token-mean")
+             for i in range(2)]
+    np.testing.assert_allclose(losses.combine(parts), 7.0 / 4.0)  # exact: all 4 tokens
+    assert abs(np.mean([1.0, 4.0]) - 7.0 / 4.0) > 0.5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_is_exact(mode):
+    """grad of sum_i num_i / D (D = sum of micro-batch denominators) == full-batch gradient."""
+    rng = np.random.default_rng(10)
+    feats = jnp.asarray(rng.normal(size=(8, 6, 3)), jnp.float32)
+    mask = jnp.asarray(rng.random((8, 6)) < 0.6)
+    theta = jnp.asarray(rng.normal(size=3), jnp.float32)
+
+    def per_token(th, f):
+        return jnp.tanh(f @ th) ** 2
+
+    full = jax.grad(lambda th: losses.aggregate_mean(per_token(th, feats), mask, mode))(theta)
+    slices = [slice(0, 3), slice(3, 4), slice(4, 8)]
+    total_den = sum(losses.loss_denominator(mask[s], mode) for s in slices)
+    acc = sum(jax.grad(lambda th, s=s: losses.aggregate(per_token(th, feats[s]), mask[s], mode)[0]
+                       / total_den)(theta) for s in slices)
+    np.testing.assert_allclose(acc, full, rtol=1e-5, atol=1e-7)
+
+
+def test_combine_of_empty_is_zero():
+    assert float(losses.combine([(jnp.array(0.0), jnp.array(0.0))])) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_value_loss_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    v_old = rng.normal(size=(5, 9))
+    v = v_old + rng.normal(scale=0.8, size=(5, 9))
+    ret = rng.normal(size=(5, 9))
+    mask = rng.random((5, 9)) < 0.7
+    want, want_metrics = ref.value_loss(v, v_old, ret, mask, 0.5)
+    got, metrics = losses.value_loss(*(jnp.asarray(a, jnp.float32) for a in (v, v_old, ret)),
+                                     jnp.asarray(mask), cliprange_value=0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for k, val in want_metrics.items():
+        np.testing.assert_allclose(metrics[k], val, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert 0 < want_metrics["vf_clipfrac"] < 1
+
+
+def test_token_logprobs_and_entropy_match_reference():
+    rng = np.random.default_rng(12)
+    logits = rng.normal(scale=3.0, size=(2, 5, 7))
+    tokens = rng.integers(0, 7, size=(2, 5))
+    want_logp, want_ent = ref.token_logprobs_and_entropy(logits, tokens)
+    lg = jnp.asarray(logits, jnp.float32)
+    np.testing.assert_allclose(losses.token_logprobs(lg, jnp.asarray(tokens)), want_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(losses.token_entropy(lg), want_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_names_list_allowed_values():
+    with pytest.raises(ValueError, match="Unknown loss aggregation 'mean'.*'token-mean'"):
+        losses.aggregate(jnp.zeros((1, 1)), jnp.ones((1, 1)), "mean")
+    with pytest.raises(ValueError, match="Unknown KL estimator 'low-var-kl'.*'low_var_kl'"):
+        losses.kl_penalty("low-var-kl", jnp.zeros(1), jnp.zeros(1))
+    with pytest.raises(ValueError, match="Unknown policy loss 'gspo'.*'ppo'"):
+        losses.policy_loss("gspo", *([jnp.zeros((1, 1))] * 4))
