@@ -1,0 +1,447 @@
+"""FrozenLake with RAGEN's random maps, generated inside jit.
+
+RAGEN (``ragen/env/frozen_lake``) draws every cell frozen with probability ``p``, a random start
+and a distinct random goal, and redraws the whole map until a start→goal path exists. Here the
+rejection loop becomes a fixed amount of work: ``map_candidates`` i.i.d. candidate maps are drawn
+at once and the first one with a path (a flood fill of static length) is kept. The first accepted
+draw of an i.i.d. sequence has exactly the rejection loop's distribution, so the maps are RAGEN's
+maps. If every candidate fails (probability ``(1 - acceptance)^K``: ~1e-9 for 4×4 at ``p=0.9`` with
+the default ``K=8``), the first candidate gets an L-shaped path carved from start to goal, so every
+map is solvable; that event is the only place the distribution differs from the rejection loop.
+
+Dynamics are Gymnasium's ``FrozenLake-v1`` with RAGEN's ``success_rate``: the intended move happens
+with probability ``success_rate`` and each perpendicular move with ``(1 - success_rate) / 2``;
+moves are clamped at the border; holes and the goal are absorbing. Reward +1 on entering the goal.
+
+Note on ``success_rate``: the class default is 0.8 (RAGEN's ``FrozenLakeEnvConfig``), but RAGEN's
+``_3_frozen_lake.yaml`` and all RAGEN-2 main-table runs set ``success_rate: 1`` (deterministic).
+Pass ``success_rate=1.0`` in ``default_params``/``EnvParams`` to reproduce those runs.
+
+Symbol codes (``observation``): 0 player, 1 frozen, 2 hole, 3 goal, 4 player in hole,
+5 player on goal; text symbols come from ``grid_lookup``.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from environments import render
+from environments.core import EnvParams, EnvState, Environment
+
+PLAYER, FROZEN, HOLE, GOAL, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
+DEFAULT_GRID_LOOKUP = {0: "P", 1: "_", 2: "O", 3: "G", 4: "X", 5: "√"}
+# What each code means; the legend pairs these with the configured symbols.
+CODE_MEANINGS = {0: "player", 1: "empty", 2: "hole", 3: "goal", 4: "player in hole", 5: "player on goal"}
+
+# Action index -> (d_row, d_col), Gymnasium's order: 0 Left, 1 Down, 2 Right, 3 Up. Slipping turns
+# direction d into (d - 1) % 4 or (d + 1) % 4, which are the two perpendicular moves.
+ACTION_NAMES = ("Left", "Down", "Right", "Up")
+MOVES = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], dtype=np.int32)
+
+
+@chex.dataclass(frozen=True)
+class FrozenLakeState(EnvState):
+    pos: chex.Array    # int32 [2] player (row, col)
+    start: chex.Array  # int32 [2] start cell (row, col); rendered in "coord" even after leaving it
+    goal: chex.Array   # int32 [2] goal cell (row, col)
+    holes: chex.Array  # bool [size, size]
+
+
+@chex.dataclass(frozen=True)
+class FrozenLakeParams(EnvParams):
+    p: chex.Array             # float32 [] probability that a cell is frozen (not a hole)
+    success_rate: chex.Array  # float32 [] probability that the intended move happens
+
+
+def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
+    """Raise ``ValueError`` on out-of-range parameters (only when they are concrete, not traced)."""
+    checks = (
+        ("p", params.p, 0.0, 1.0),
+        ("success_rate", params.success_rate, 0.0, 1.0),
+    )
+    for name, value, lo, hi in checks:
+        if isinstance(value, jax.core.Tracer):
+            continue
+        v = np.asarray(value)
+        if not np.all((v >= lo) & (v <= hi)):
+            raise ValueError(f"FrozenLake: {name}={v} is outside [{lo}, {hi}]; pass a probability")
+    steps = params.max_steps_in_episode
+    if not isinstance(steps, jax.core.Tracer) and not np.all(np.asarray(steps) >= 1):
+        raise ValueError(
+            f"FrozenLake: max_steps_in_episode={np.asarray(steps)} must be >= 1 (it is the truncation cap)"
+        )
+    return params
+
+
+def _lowbias32(x: chex.Array) -> chex.Array:
+    """A 32-bit integer hash with low bias (C. Wellons' ``lowbias32``); uint32 -> uint32."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
+    """``uint32 [*shape]`` random words from ``seed`` (uint32 [2], one threefry draw).
+
+    A map needs ~40 random words per reset and ``step`` regenerates a map for every lane (the
+    auto-reset selects, it does not branch). Threefry costs ~6x more per word than this hash on
+    CPU, so one threefry block is drawn and expanded by hashing a counter with it twice, keyed by
+    its two words. The words are still a pure function of the key.
+    """
+    counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+    return _lowbias32(_lowbias32(counter ^ seed[0]) + seed[1])
+
+
+class Bitboard:
+    """Static layout of a ``size × size`` board as a few uint32 words (whole rows per word).
+
+    Cell ``(r, c)`` is bit ``(r % rows_per_word) * size + c`` of word ``r // rows_per_word``. A
+    4-connected flood step is then ~15 integer ops per word instead of a gather per cell.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.rows_per_word = 32 // size
+        self.num_words = -(-size // self.rows_per_word)
+        self.rows = [min(self.rows_per_word, size - w * self.rows_per_word) for w in range(self.num_words)]
+        self.mask = [(1 << (size * r)) - 1 for r in self.rows]
+        self.col_first = [sum(1 << (i * size) for i in range(r)) for r in self.rows]
+        self.col_last = [sum(1 << (i * size + size - 1) for i in range(r)) for r in self.rows]
+        cells = np.arange(size * size)
+        self.cell_word = cells // size // self.rows_per_word          # int [cells]
+        self.cell_bit = (cells // size % self.rows_per_word) * size + cells % size
+
+    def pack(self, cells: chex.Array) -> list[chex.Array]:
+        """bool [..., size*size] -> list of num_words uint32 [...]."""
+        bits = cells.astype(jnp.uint32) << jnp.asarray(self.cell_bit, jnp.uint32)
+        word = jnp.asarray(self.cell_word)
+        return [jnp.sum(jnp.where(word == w, bits, 0), axis=-1, dtype=jnp.uint32) for w in range(self.num_words)]
+
+    def spread(self, reach: list[chex.Array]) -> list[chex.Array]:
+        """One step of 4-neighbour dilation (inside the board)."""
+        n, u32 = self.size, jnp.uint32
+        out = []
+        for w, x in enumerate(reach):
+            y = (x | ((x << 1) & u32(self.mask[w] & ~self.col_first[w]))
+                 | ((x >> 1) & u32(self.mask[w] & ~self.col_last[w]))
+                 | ((x << n) & u32(self.mask[w])) | (x >> n))
+            if w + 1 < self.num_words:  # first row of the next word moves up into our last row
+                y = y | ((reach[w + 1] & u32((1 << n) - 1)) << (n * (self.rows[w] - 1)))
+            if w > 0:  # last row of the previous word moves down into our first row
+                y = y | (reach[w - 1] >> (n * (self.rows[w - 1] - 1)))
+            out.append(y)
+        return out
+
+    def connected(self, free: list[chex.Array], start: list[chex.Array], goal: list[chex.Array]) -> chex.Array:
+        """Whether ``goal`` is 4-connected to ``start`` through ``free`` cells (words as from ``pack``).
+
+        Shortest paths on ``size**2`` cells have at most ``size**2 - 1`` steps, so that many static
+        iterations always converge; extra ones are harmless because the fill is monotone.
+        """
+        def body(_, reach):
+            return [s & f for s, f in zip(self.spread(reach), free)]
+
+        n_iter = self.size * self.size - 1
+        reach = jax.lax.fori_loop(0, n_iter, body, list(start), unroll=True if n_iter <= 24 else 8)
+        return jnp.any(jnp.stack([(r & g) != 0 for r, g in zip(reach, goal)]), axis=0)
+
+
+def _carve_l_path(holes: chex.Array, start: chex.Array, goal: chex.Array) -> chex.Array:
+    """Clear the holes on the path start → (start row, goal col) → goal (fallback only).
+
+    holes bool [size, size]; start, goal int32 [2].
+    """
+    size = holes.shape[-1]
+    r = jnp.arange(size)[:, None]
+    c = jnp.arange(size)[None, :]
+    lo_c, hi_c = jnp.minimum(start[1], goal[1]), jnp.maximum(start[1], goal[1])
+    lo_r, hi_r = jnp.minimum(start[0], goal[0]), jnp.maximum(start[0], goal[0])
+    along_row = (r == start[0]) & (c >= lo_c) & (c <= hi_c)
+    along_col = (c == goal[1]) & (r >= lo_r) & (r <= hi_r)
+    return holes & ~(along_row | along_col)
+
+
+def _uniform_index(word: chex.Array, n: int) -> chex.Array:
+    """uint32 word -> int32 uniform in [0, n) (24-bit float resolution: bias below n / 2**24)."""
+    u = (word >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+    return jnp.minimum((u * n).astype(jnp.int32), n - 1)
+
+
+def generate_map(seed: chex.Array, p: chex.Array, size: int, num_candidates: int):
+    """RAGEN's random map: i.i.d. holes, distinct start and goal, a start→goal path.
+
+    ``p`` is resolved to 16 bits (a cell is frozen when a 16-bit field is below
+    ``round(p * 2**16)``), i.e. the frozen probability is within 8e-6 of ``p``.
+
+    seed: uint32 [2] (``jax.random.bits(key, (2,), jnp.uint32)``).
+    Returns ``(holes bool [size, size], start int32 [2], goal int32 [2])``.
+    """
+    board = Bitboard(size)
+    cells = size * size
+    half = -(-cells // 2)
+    words = random_words(seed, (num_candidates, half + 2))             # uint32 [K, half + 2]
+    fields = (words[:, :half, None] >> jnp.asarray([0, 16], jnp.uint32)) & jnp.uint32(0xFFFF)
+    fields = fields.reshape(num_candidates, 2 * half)[:, :cells]      # uint32 [K, cells]
+    threshold = jnp.round(jnp.clip(p, 0.0, 1.0) * 65536.0).astype(jnp.uint32)
+    holes = fields >= threshold                                        # RAGEN: F w.p. p, else H
+    start = _uniform_index(words[:, half], cells)                      # int32 [K]
+    # Goal uniform over the other cells: RAGEN redraws everything when start == goal, and that
+    # event does not depend on the board, so conditioning on start != goal is exact.
+    goal = (start + 1 + _uniform_index(words[:, half + 1], cells - 1)) % cells
+    cell = jnp.arange(cells)
+    is_start, is_goal = cell == start[:, None], cell == goal[:, None]  # bool [K, cells]
+    holes = holes & ~is_start & ~is_goal                               # S and G overwrite the draw
+
+    valid = board.connected(board.pack(~holes), board.pack(is_start), board.pack(is_goal))  # [K]
+    # The first valid candidate (candidate 0 when none is), selected by a one-hot mask rather
+    # than an index: gathers under vmap are slow on CPU, masked sums are plain vector ops.
+    first = jnp.arange(num_candidates) == jnp.argmax(valid)                # bool [K]
+    holes = jnp.any(holes & first[:, None], axis=0).reshape(size, size)
+    start = jnp.sum(jnp.where(first, start, 0))
+    goal = jnp.sum(jnp.where(first, goal, 0))
+    start = jnp.stack([start // size, start % size]).astype(jnp.int32)
+    goal = jnp.stack([goal // size, goal % size]).astype(jnp.int32)
+    holes = jnp.where(jnp.any(valid), holes, _carve_l_path(holes, start, goal))
+    return holes, start, goal
+
+
+def _validate_lookup(grid_lookup: Mapping[int, str] | None, grid_vocab: Mapping[str, str] | None):
+    lookup = dict(DEFAULT_GRID_LOOKUP if grid_lookup is None else grid_lookup)
+    if sorted(lookup) != list(range(6)):
+        raise ValueError(
+            f"FrozenLake: grid_lookup must map exactly the codes 0..5 "
+            f"({', '.join(f'{k}={v}' for k, v in CODE_MEANINGS.items())}); got keys {sorted(lookup)}"
+        )
+    symbols = [lookup[c] for c in range(6)]
+    if any(not isinstance(s, str) or not s or "\n" in s for s in symbols):
+        raise ValueError(f"FrozenLake: grid_lookup symbols must be non-empty strings without newlines; got {symbols}")
+    if len(set(symbols)) != 6:
+        raise ValueError(f"FrozenLake: grid_lookup symbols must be distinct so the grid is readable; got {symbols}")
+    if grid_vocab is None:
+        vocab = {lookup[c]: CODE_MEANINGS[c] for c in range(6)}
+    else:
+        vocab = dict(grid_vocab)
+        if set(vocab) != set(symbols):
+            raise ValueError(
+                f"FrozenLake: grid_vocab must describe exactly the grid_lookup symbols {symbols}; "
+                f"got {sorted(vocab)}"
+            )
+    return lookup, vocab
+
+
+class FrozenLake(Environment):
+    """RAGEN's FrozenLake: random valid maps, slippery moves, text renders.
+
+    Static (shapes / tables): ``size``, ``observation_format``, ``grid_lookup``, ``grid_vocab``,
+    ``is_slippery``, ``map_candidates``. Traced: ``FrozenLakeParams(p, success_rate,
+    max_steps_in_episode)``. ``is_slippery=False`` makes every move the intended one whatever
+    ``success_rate`` says (Gymnasium's meaning of the flag).
+    """
+
+    name = "frozen_lake"
+    action_names = ACTION_NAMES
+
+    def __init__(
+        self,
+        size: int = 4,
+        observation_format: str = "grid",
+        grid_lookup: Mapping[int, str] | None = None,
+        grid_vocab: Mapping[str, str] | None = None,
+        is_slippery: bool = True,
+        map_candidates: int = 4,
+    ):
+        if not isinstance(size, (int, np.integer)) or size < 2 or size > 30:
+            raise ValueError(
+                f"FrozenLake: size={size!r} must be an int in [2, 30] (a start and a distinct goal "
+                "need at least 2x2 cells; rows are 32-bit masks)"
+            )
+        if not isinstance(map_candidates, (int, np.integer)) or map_candidates < 1:
+            raise ValueError(f"FrozenLake: map_candidates={map_candidates!r} must be a positive int")
+        self.size = int(size)
+        self.is_slippery = bool(is_slippery)
+        self.map_candidates = int(map_candidates)
+        self.grid_lookup, self.grid_vocab = _validate_lookup(grid_lookup, grid_vocab)
+        self.observation_format = self.check_format(observation_format)
+        self._init_render()
+
+    # --- dynamics -------------------------------------------------------------------------
+    def default_params(self, p: float = 0.9, success_rate: float = 0.8,
+                       max_steps_in_episode: int = 100) -> FrozenLakeParams:
+        return check_params(FrozenLakeParams(
+            p=jnp.float32(p),
+            success_rate=jnp.float32(success_rate),
+            max_steps_in_episode=jnp.int32(max_steps_in_episode),
+        ))
+
+    def reset_env(self, key: chex.PRNGKey, params: FrozenLakeParams):
+        check_params(params)
+        return self._reset_from_seed(jax.random.bits(key, (2,), jnp.uint32), params)
+
+    def _reset_from_seed(self, seed: chex.Array, params: FrozenLakeParams):
+        holes, start, goal = generate_map(seed, params.p, self.size, self.map_candidates)
+        state = FrozenLakeState(time=jnp.int32(0), pos=start, start=start, goal=goal, holes=holes)
+        return self.observation(state, params), state
+
+    def step_env(self, key, state: FrozenLakeState, action, params: FrozenLakeParams):
+        """One move; the slip is decided by ``u = jax.random.uniform(key)``."""
+        return self.transition(state, action, jax.random.uniform(key), params)
+
+    def step(self, key: chex.PRNGKey, state: FrozenLakeState, action, params: FrozenLakeParams | None = None):
+        """``step_env`` + auto-reset (``Environment.step`` semantics) from a single threefry draw.
+
+        The base class splits the key and draws the slip and the next map separately; here one
+        ``bits(key, 4)`` call feeds both (word 0 -> the slip's uniform, words 2-3 -> the map seed),
+        which halves the PRNG work of a step, the dominant cost at large batch on CPU.
+        """
+        params = self.default_params() if params is None else params
+        words = jax.random.bits(key, (4,), jnp.uint32)
+        u = (words[0] >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # uniform [0, 1), 24 bits
+        obs, next_state, reward, terminated, truncated, info = self.transition(state, action, u, params)
+        obs_reset, state_reset = self._reset_from_seed(words[2:], params)
+        done = terminated | truncated
+        next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), state_reset, next_state)
+        return jnp.where(done, obs_reset, obs), next_state, reward, terminated, truncated, info
+
+    def transition(self, state: FrozenLakeState, action, u, params: FrozenLakeParams):
+        """The move for a given uniform draw ``u`` in [0, 1) -> ``step_env``'s 6-tuple.
+
+        Gymnasium's ``categorical_sample`` over the directions ``[(d-1)%4, d, (d+1)%4]`` with
+        probabilities ``[(1-s)/2, s, (1-s)/2]`` picks the first whose cumulative probability
+        exceeds ``u``. An action outside ``0..3`` is invalid and leaves the state unchanged.
+        """
+        action = jnp.asarray(action, jnp.int32)
+        valid = (action >= 0) & (action < 4)
+        intended = jnp.clip(action, 0, 3)
+        if self.is_slippery:
+            slip = (1.0 - params.success_rate) / 2.0
+            turn = jnp.where(u < slip, -1, jnp.where(u < slip + params.success_rate, 0, 1))
+            direction = (intended + turn) % 4
+        else:
+            direction = intended
+        was_terminal = self._on_hole(state, state.pos) | self._on_goal(state, state.pos)
+        # MOVES[direction] written as selects (a gather per lane is slow under vmap on CPU).
+        d_row = jnp.where(direction == 1, 1, jnp.where(direction == 3, -1, 0))
+        d_col = jnp.where(direction == 2, 1, jnp.where(direction == 0, -1, 0))
+        moved = jnp.clip(state.pos + jnp.stack([d_row, d_col]), 0, self.size - 1)
+        pos = jnp.where(valid & ~was_terminal, moved, state.pos)  # holes and the goal absorb
+
+        on_goal = self._on_goal(state, pos)
+        terminated = on_goal | self._on_hole(state, pos)
+        reward = (on_goal & ~was_terminal).astype(jnp.float32)
+        time = state.time + 1
+        truncated = (time >= params.max_steps_in_episode) & ~terminated
+        next_state = state.replace(time=time, pos=pos)
+        info = {
+            "action_is_valid": valid,
+            "action_is_effective": jnp.any(pos != state.pos),
+            "success": on_goal,
+        }
+        return self.observation(next_state, params), next_state, reward, terminated, truncated, info
+
+    @staticmethod
+    def _on_goal(state: FrozenLakeState, pos: chex.Array) -> chex.Array:
+        return jnp.all(pos == state.goal)
+
+    def _on_hole(self, state: FrozenLakeState, pos: chex.Array) -> chex.Array:
+        return jnp.any(state.holes & self._cell_mask(pos))
+
+    def _cell_mask(self, pos: chex.Array) -> chex.Array:
+        """int32 [2] -> bool [size, size], True at ``pos`` only."""
+        r = jnp.arange(self.size)[:, None]
+        c = jnp.arange(self.size)[None, :]
+        return (r == pos[0]) & (c == pos[1])
+
+    def observation(self, state: FrozenLakeState, params=None) -> chex.Array:
+        """Symbol grid ``int32 [size, size]``: 0 P, 1 frozen, 2 hole, 3 goal, 4 X, 5 √."""
+        is_goal = self._cell_mask(state.goal)
+        is_player = self._cell_mask(state.pos)
+        under = jnp.where(state.holes, HOLE, jnp.where(is_goal, GOAL, FROZEN))
+        player = jnp.where(state.holes, PLAYER_IN_HOLE, jnp.where(is_goal, PLAYER_ON_GOAL, PLAYER))
+        return jnp.where(is_player, player, under).astype(jnp.int32)
+
+    # --- text -----------------------------------------------------------------------------
+    def _init_render(self):
+        """Build the static piece table and the ids the device render needs."""
+        n = self.size
+        self._board_line = f"Board size: {n} rows x {n} cols (zero-indexed)."
+        self._player_headers = ("\nPlayer: ", "\nPlayer on goal: ", "\nPlayer in hole: ")
+        table = render.PieceTable([self.grid_lookup[c] for c in range(6)])
+        table.extend(["\n", ", ", self._board_line, "\nStart: ", "\nGoal: ", *self._player_headers,
+                      "Holes: ", "Coordinates: \n", "\nGrid Map: \n"])
+        table.extend(render.coord_strings(n, n))
+        self._table = table
+        self._symbol_ids = np.asarray(table.ids([self.grid_lookup[c] for c in range(6)]), np.int32)
+        self._coord_ids = render.coord_ids(table, n, n)
+
+    @property
+    def piece_table(self) -> tuple[str, ...]:
+        return self._table.pieces
+
+    def render_pieces(self, state: FrozenLakeState, params=None, fmt: str | None = None):
+        """Device render of one state -> ``(pieces int32 [max_pieces(fmt)], n int32)``."""
+        fmt = self.check_format(fmt)
+        t = self._table
+        grid = render.grid_section(self.observation(state, params), self._symbol_ids, t.id("\n"))
+        if fmt == "grid":
+            return render.compact(*grid)
+        coord_ids = jnp.asarray(self._coord_ids)
+
+        def single(header, pos: chex.Array):
+            """A one-coordinate line, e.g. ``"\\nGoal: (2, 0)"`` (header piece, coordinate piece)."""
+            return jnp.stack([jnp.asarray(header, jnp.int32), coord_ids[pos[0], pos[1]]]), jnp.ones((2,), bool)
+
+        on_goal = self._on_goal(state, state.pos)
+        in_hole = self._on_hole(state, state.pos)
+        player_header = jnp.where(on_goal, t.id(self._player_headers[1]),
+                                  jnp.where(in_hole, t.id(self._player_headers[2]), t.id(self._player_headers[0])))
+        coord = [
+            render.const_section([t.id(self._board_line)]),
+            single(t.id("\nStart: "), state.start),
+            single(t.id("\nGoal: "), state.goal),
+            single(player_header, state.pos),
+            render.coord_line(state.holes, coord_ids, t.id("Holes: "), t.id(", "), t.id("\n")),
+        ]
+        if fmt == "coord":
+            return render.compact(*render.cat_sections(*coord))
+        return render.compact(*render.cat_sections(
+            render.const_section([t.id("Coordinates: \n")]), *coord,
+            render.const_section([t.id("\nGrid Map: \n")]), grid,
+        ))
+
+    def legend(self) -> str:
+        """``"P: player, _: empty, O: hole, G: goal, X: player in hole, √: player on goal"``."""
+        return ", ".join(f"{symbol}: {meaning}" for symbol, meaning in self.grid_vocab.items())
+
+    def render_text(self, state: FrozenLakeState, fmt: str | None = None) -> str:
+        """Host reference render (RAGEN's strings) of one unbatched state, plain NumPy."""
+        fmt = self.check_format(fmt)
+        pos, start, goal = (tuple(int(v) for v in np.asarray(a)) for a in (state.pos, state.start, state.goal))
+        holes = np.asarray(state.holes, bool)
+        # RAGEN: copy desc, S -> F, player cell -> P / X (on H) / √ (on G), then grid_lookup.
+        codes = np.where(holes, HOLE, FROZEN)
+        codes[goal] = GOAL
+        codes[pos] = PLAYER_IN_HOLE if holes[pos] else PLAYER_ON_GOAL if pos == goal else PLAYER
+        grid_text = "\n".join("".join(self.grid_lookup[int(c)] for c in row) for row in codes)
+        if fmt == "grid":
+            return grid_text
+        cell = render.coord_string
+        lines = [self._board_line, f"Start: {cell(*start)}", f"Goal: {cell(*goal)}"]
+        if pos == goal:
+            lines.append(f"Player on goal: {cell(*pos)}")
+        elif holes[pos]:
+            lines.append(f"Player in hole: {cell(*pos)}")
+        else:
+            lines.append(f"Player: {cell(*pos)}")
+        hole_cells = [cell(int(r), int(c)) for r, c in np.argwhere(holes)]
+        if hole_cells:
+            lines.append("Holes: " + ", ".join(hole_cells))
+        coord = "\n".join(lines)
+        if fmt == "coord":
+            return coord
+        return "Coordinates: \n" + coord + "\n" + "Grid Map: \n" + grid_text
