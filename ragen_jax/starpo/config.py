@@ -1,0 +1,311 @@
+"""Frozen configs of the StarPO step: ``config.starpo``, ``config.filter`` and ``config.collapse``.
+
+Field names are the ml-collections keys of each section. Build them with ``from_dict`` (e.g.
+``StarPOConfig.from_dict(cfg.starpo)``): an unknown key fails with the key and the allowed fields,
+and every algorithm name is checked against the registry that implements it, so the error lists
+the values that actually exist. Defaults are the original's (spec §5.6); the SNR filter is off by
+default (top-p 1.0, keep every group).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+CRITIC_MODES = ("auto", "none", "shared", "separate")
+
+
+def _section_from_dict(cls, section: str, values: Any):
+    """``cls(**values)`` with a clear error for keys the dataclass does not have."""
+    if hasattr(values, "to_dict"):  # ml_collections.ConfigDict
+        values = values.to_dict()
+    if not isinstance(values, Mapping):
+        raise ValueError(f"config.{section} must be a mapping of keys to values, got {type(values).__name__}.")
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in allowed:
+            raise ValueError(f"unknown key {section}.{key}; allowed: {', '.join(allowed)}")
+    return cls(**dict(values))
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_int(section: str, name: str, value: Any, minimum: int) -> None:
+    _check(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{section}.{name} must be an int >= {minimum}, got {value!r}.",
+    )
+
+
+def _check_number(section: str, name: str, value: Any, minimum: float = 0.0, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > minimum if strict else value >= minimum)
+    _check(ok, f"{section}.{name} must be a number {'>' if strict else '>='} {minimum}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StarPOConfig:
+    """The update step: advantages, PPO loss, optimisation (spec §5.2–§5.6).
+
+    Advantages: ``adv_estimator`` (registry ``ADVANTAGE_ESTIMATORS``: gae, bilevel_gae, grpo, drgrpo);
+      ``norm_adv_by_std=False`` with ``grpo`` is Dr. GRPO (the original's ``norm_adv_by_std_in_grpo``);
+      ``whiten`` None = the estimator's default (GAE family whitened, GRPO family not);
+      ``reward_norm`` / ``reward_norm_grouping`` normalise episode scores before the estimator;
+      ``length_weighting``: GRPO length weight (§5.3.3).
+    Loss: ``policy_loss`` (registry ``POLICY_LOSSES``), PPO clip ``clip_ratio_low/high`` and dual clip
+      ``clip_ratio_c``; ``entropy_coeff``; KL as a loss term (``use_kl_loss``, ``kl_coef``, ``kl_type``)
+      and/or in the reward (``kl_in_reward``, fixed coefficient ``kl_in_reward_coef``);
+      ``loss_agg_mode`` (registry ``LOSS_AGGREGATIONS``), exact across micro-batches.
+    Batching: ``ppo_epochs`` passes over the batch; per epoch the batch is cut into mini-batches of
+      ``mini_batch_size`` trajectories, or into ``num_mini_batches`` (set at most one; neither = 32
+      trajectories); each optimizer step accumulates gradients over micro-batches of
+      ``micro_batch_size`` trajectories (None = the whole mini-batch at once). Micro-batching changes
+      memory, never the result. ``shuffle`` permutes rows each epoch (the original does not).
+    Optimisation: AdamW (``actor_lr``, ``critic_lr``, ``weight_decay``, ``adam_b1/b2/eps``) with a
+      linear warm-up over ``warmup_steps`` optimizer steps, global-norm clipping at ``grad_clip``.
+    Critic: ``critic`` = auto (a separate critic when the estimator needs one, else none) | none |
+      shared (a value head on the policy's hidden states; the value loss does not reach the trunk) |
+      separate (its own Decoder + value head); ``cliprange_value`` clips the value update.
+    ``logprob_chunk_size``: positions per chunk when computing log-softmax over the vocabulary, so
+      ``[B, L, V]`` logits are never materialised at once.
+    """
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    high_level_gamma: float = 0.95
+    norm_adv_by_std: bool = True
+    whiten: Optional[bool] = None
+    reward_norm: str = "identity"
+    reward_norm_grouping: str = "state"
+    length_weighting: bool = False
+    policy_loss: str = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.001
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_type: str = "kl"
+    kl_in_reward: bool = False
+    kl_in_reward_coef: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    ppo_epochs: int = 1
+    mini_batch_size: Optional[int] = None
+    num_mini_batches: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    critic: str = "auto"
+    cliprange_value: float = 0.5
+    logprob_chunk_size: int = 256
+
+    DEFAULT_MINI_BATCH_SIZE = 32
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "StarPOConfig":
+        return _section_from_dict(cls, "starpo", values)
+
+    def __post_init__(self):
+        from ragen_jax.starpo import advantages, losses
+
+        s = "starpo"
+        advantages.ADVANTAGE_ESTIMATORS.validate(self.adv_estimator)
+        advantages.REWARD_NORMALIZATIONS.validate(self.reward_norm)
+        advantages.REWARD_GROUPINGS.validate(self.reward_norm_grouping)
+        losses.POLICY_LOSSES.validate(self.policy_loss)
+        losses.KL_ESTIMATORS.validate(self.kl_type)
+        losses.LOSS_AGGREGATIONS.validate(self.loss_agg_mode)
+        for name in ("gamma", "lam", "high_level_gamma"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and 0.0 <= value <= 1.0,
+                f"{s}.{name} must be in [0, 1], got {value!r}.",
+            )
+        for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coeff", "kl_coef", "kl_in_reward_coef",
+                     "weight_decay", "cliprange_value"):
+            _check_number(s, name, getattr(self, name))
+        _check_number(s, "clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        for name in ("grad_clip", "actor_lr", "critic_lr", "adam_eps"):
+            _check_number(s, name, getattr(self, name), 0.0, strict=True)
+        for name in ("adam_b1", "adam_b2"):
+            value = getattr(self, name)
+            _check(isinstance(value, float) and 0.0 <= value < 1.0, f"{s}.{name} must be in [0, 1), got {value!r}.")
+        _check_int(s, "ppo_epochs", self.ppo_epochs, 1)
+        _check_int(s, "warmup_steps", self.warmup_steps, 0)
+        _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
+        for name in ("mini_batch_size", "num_mini_batches", "micro_batch_size"):
+            if getattr(self, name) is not None:
+                _check_int(s, name, getattr(self, name), 1)
+        _check(
+            self.mini_batch_size is None or self.num_mini_batches is None,
+            f"{s}.mini_batch_size={self.mini_batch_size} and {s}.num_mini_batches={self.num_mini_batches} "
+            "are both set; set one of them (the other follows from the batch size).",
+        )
+        _check(self.whiten is None or isinstance(self.whiten, bool), f"{s}.whiten must be None, True or False.")
+        _check(self.critic in CRITIC_MODES, f"{s}.critic={self.critic!r}; allowed: {', '.join(CRITIC_MODES)}.")
+        uses_critic = advantages.ADVANTAGE_ESTIMATORS.get(self.estimator).uses_critic
+        _check(
+            not (uses_critic and self.critic == "none"),
+            f"{s}.adv_estimator={self.adv_estimator!r} needs a critic but {s}.critic='none'; "
+            "use critic='auto', 'shared' or 'separate', or a critic-free estimator (grpo, drgrpo).",
+        )
+        _check(
+            uses_critic or self.critic in ("auto", "none"),
+            f"{s}.adv_estimator={self.adv_estimator!r} does not use a critic, so {s}.critic={self.critic!r} "
+            "would train one for nothing; set critic='auto' or 'none'.",
+        )
+        _check(
+            not self.norm_adv_by_std or self.adv_estimator != "drgrpo",
+            f"{s}.adv_estimator='drgrpo' never scales by the std; leave norm_adv_by_std=True or use 'grpo' "
+            "with norm_adv_by_std=False.",
+        )
+
+    @property
+    def estimator(self) -> str:
+        """The registry name actually run: ``grpo`` without std scaling is Dr. GRPO."""
+        if self.adv_estimator == "grpo" and not self.norm_adv_by_std:
+            return "drgrpo"
+        return self.adv_estimator
+
+    @property
+    def critic_mode(self) -> str:
+        """none | shared | separate, with ``auto`` resolved from the estimator."""
+        if self.critic != "auto":
+            return self.critic
+        from ragen_jax.starpo import advantages
+
+        return "separate" if advantages.ADVANTAGE_ESTIMATORS.get(self.estimator).uses_critic else "none"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Reference log-probs are needed (a KL term in the loss or in the reward)."""
+        return self.use_kl_loss or self.kl_in_reward
+
+    def mini_batch_layout(self, batch_size: int) -> tuple[int, int]:
+        """(num_mini_batches, mini_batch_size) for a batch of ``batch_size`` trajectories."""
+        if self.num_mini_batches is not None:
+            num = self.num_mini_batches
+            _check(
+                batch_size % num == 0,
+                f"starpo.num_mini_batches={num} does not divide the batch of {batch_size} trajectories.",
+            )
+            return num, batch_size // num
+        size = min(self.mini_batch_size or self.DEFAULT_MINI_BATCH_SIZE, batch_size)
+        _check(
+            batch_size % size == 0,
+            f"starpo.mini_batch_size={size} does not divide the batch of {batch_size} trajectories; "
+            "pick a divisor (or set num_mini_batches).",
+        )
+        return batch_size // size, size
+
+    def micro_batch_layout(self, mini_batch_size: int) -> tuple[int, int]:
+        """(num_micro_batches, micro_batch_size) inside one mini-batch."""
+        size = min(self.micro_batch_size or mini_batch_size, mini_batch_size)
+        _check(
+            mini_batch_size % size == 0,
+            f"starpo.micro_batch_size={size} does not divide the mini-batch of {mini_batch_size} trajectories.",
+        )
+        return mini_batch_size // size, size
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    """The SNR filter over groups (spec §6). Defaults keep every group (top-p 1.0, include_zero).
+
+    ``strategy`` (top_p | top_k | top_k_abs | min_p, registry ``FILTER_STRATEGIES``), ``value`` its
+    parameter, ``filter_type`` largest (keep high scores) | smallest, ``include_zero`` keep groups whose
+    score is 0, ``top_p_mode`` linear | softmax, ``eps`` the selection slack, ``metric`` the per-group
+    score (registry ``GROUP_SCORES``; reward_variance is the group's reward std), ``loss_scaling``
+    none | linear | sqrt (scale advantages by the kept ratio, §5.3.2), ``empty_stop_steps``: this many
+    consecutive updates with nothing left after filtering raise the early-stop signal.
+    """
+
+    strategy: str = "top_p"
+    value: float = 1.0
+    filter_type: str = "largest"
+    include_zero: bool = True
+    top_p_mode: str = "linear"
+    eps: float = 0.01
+    metric: str = "reward_variance"
+    loss_scaling: str = "none"
+    empty_stop_steps: int = 5
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "FilterConfig":
+        return _section_from_dict(cls, "filter", values)
+
+    def __post_init__(self):
+        from ragen_jax.starpo import snr_filter
+
+        s = "filter"
+        snr_filter.FILTER_STRATEGIES.validate(self.strategy)
+        snr_filter.FILTER_TYPES.validate(self.filter_type)
+        snr_filter.TOP_P_MODES.validate(self.top_p_mode)
+        snr_filter.GROUP_SCORES.validate(self.metric)
+        snr_filter.LOSS_SCALINGS.validate(self.loss_scaling)
+        _check_number(s, "value", self.value)
+        _check_number(s, "eps", self.eps)
+        _check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
+        _check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollapseConfig:
+    """Collapse diagnostics, the MI proxy (spec §7).
+
+    Computed inside the update at global step 1 and every ``compute_freq`` steps on the pre-filter
+    batch: ``first_turn_enabled`` / ``trajectory_enabled`` select the two pair samples, each of
+    ``num_samples`` reasoning spans. Z-scores divide by ``marginal_std + std_eps`` and by its EMA
+    (``ema`` decay). ``micro_batch_size`` [x|z] sequences are scored per forward pass;
+    ``max_reasoning_tokens`` bounds Z (None = the trajectory length; longer spans are truncated and
+    counted). Regimes are classified against the mean of the first ``baseline_steps`` computations:
+    MI is low below ``regime_mi_ratio`` × baseline, H(Z|X) below ``regime_entropy_ratio`` × baseline.
+    """
+
+    compute_freq: int = 5
+    num_samples: int = 64
+    first_turn_enabled: bool = True
+    trajectory_enabled: bool = True
+    ema: float = 0.9
+    std_eps: float = 1e-3
+    baseline_steps: int = 3
+    micro_batch_size: int = 128
+    max_reasoning_tokens: Optional[int] = None
+    regime_mi_ratio: float = 0.5
+    regime_entropy_ratio: float = 0.5
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "CollapseConfig":
+        return _section_from_dict(cls, "collapse", values)
+
+    def __post_init__(self):
+        s = "collapse"
+        _check_int(s, "compute_freq", self.compute_freq, 1)
+        _check_int(s, "num_samples", self.num_samples, 2)
+        _check_int(s, "baseline_steps", self.baseline_steps, 1)
+        _check_int(s, "micro_batch_size", self.micro_batch_size, 1)
+        if self.max_reasoning_tokens is not None:
+            _check_int(s, "max_reasoning_tokens", self.max_reasoning_tokens, 1)
+        _check(
+            isinstance(self.ema, (int, float)) and 0.0 <= self.ema < 1.0,
+            f"{s}.ema must be in [0, 1), got {self.ema!r}.",
+        )
+        _check_number(s, "std_eps", self.std_eps, 0.0, strict=True)
+        for name in ("regime_mi_ratio", "regime_entropy_ratio"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and 0.0 < value <= 1.0,
+                f"{s}.{name} must be in (0, 1], got {value!r}.",
+            )
+        for name in ("first_turn_enabled", "trajectory_enabled"):
+            _check(isinstance(getattr(self, name), bool), f"{s}.{name} must be True or False.")
