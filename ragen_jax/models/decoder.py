@@ -1,0 +1,281 @@
+"""A Qwen2 / Llama-family decoder in Flax NNX, plus the PPO value head.
+
+Blocks, top to bottom (shapes: B batch, T query tokens, S cache slots, D hidden, H heads, K kv heads,
+Hd head dim, V vocab):
+
+  Decoder      tokens [B, T] -> embed -> L x DecoderLayer -> RMSNorm -> logits float32 [B, T, V]
+  DecoderLayer x + Attention(RMSNorm(x)); then x + MLP(RMSNorm(x))      (pre-norm residual)
+  Attention    GQA with RoPE (HF rotate_half convention), optional q/k/v(/o) bias, KV cache
+  MLP          SwiGLU: down(silu(gate(x)) * up(x))
+  ValueHead    hidden [B, T, D] -> value float32 [B, T]      (a scalar per token, for the critic)
+  Critic       Decoder trunk + ValueHead, when the critic does not share the policy's trunk
+
+Parameter names follow the HF checkpoints (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so
+the weight-loading table in `loading.py` reads as a rename of the leaf only. With
+`cfg.scan_layers` the layers' weights are stacked on a leading [L] axis (`layers.self_attn...`).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ragen_jax.models.config import ModelConfig
+from ragen_jax.models.kv_cache import KVCache, init_cache, write_layer
+
+__all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
+           "apply_rope", "KVCache", "init_cache"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------------
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies float32 [Hd // 2], including the 'linear' and 'llama3' rescalings."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    scaling = cfg.rope_scaling_dict
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(scaling["factor"])
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band in
+        # between interpolated smoothly, so the model sees its pre-training frequencies where it can.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [B, T, N, Hd] by its positions [B, T] (rotate_half: pairs are (i, i + Hd/2))."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Hd]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+
+
+def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    # flax reduces in float32 even for bf16 inputs, like HF's Qwen2RMSNorm / LlamaRMSNorm.
+    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=cfg.compute_dtype,
+                       param_dtype=cfg.weight_dtype, rngs=rngs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------------
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and an optional KV cache.
+
+    q_proj [D, H*Hd], k_proj / v_proj [D, K*Hd], o_proj [H*Hd, D]. Each kv head serves H/K query heads.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, H, K, Hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg, D, H * Hd, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, H * Hd, D, cfg.o_bias, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None,
+                 layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, D], positions int32 [B, T] -> ([B, T, D], cache with this layer's slots written).
+
+        Without a cache, attention is causal over the T axis (positions only drive RoPE). With one,
+        the new keys/values go to slots `positions` of layer `layer` and query [b, t] sees the slots
+        `<= positions[b, t]` of row b.
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        inv_freq = rope_frequencies(cfg)  # a trace-time constant, not state
+        q = apply_rope(self.q_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+        k = apply_rope(self.k_proj(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        v = self.v_proj(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cache is None:
+            mask = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]
+        else:
+            cache = write_layer(cache, layer, positions, k, v)
+            k, v = cache.k[layer], cache.v[layer]  # [B, S, K, Hd]
+            mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        out = _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with kv-head groups.
+
+    q [B, T, H, Hd]; k, v [B, S, K, Hd]; mask bool [B or 1, T, S] (True = may attend) -> [B, T, H, Hd].
+    Scores and softmax are float32 whatever the compute dtype.
+    """
+    B, T, H, Hd = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, Hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(Hd)
+    # A finite fill keeps a fully-masked row (a query at a negative position) NaN-free.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, Hd)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: gate_proj, up_proj [D, F]; down_proj [F, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs)
+        self.up_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs)
+        self.down_proj = _linear(cfg, F, D, cfg.mlp_bias, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]."""
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = _rms_norm(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = _rms_norm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None,
+                 layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, D] -> ([B, T, D], cache)."""
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+def _run_layer(graphdef, state, x, positions, cache, layer):
+    """A layer as a pure function of its weights (what `lax.scan` and `jax.checkpoint` need)."""
+    return nnx.merge(graphdef, state)(x, positions, cache, layer)
+
+
+class Decoder(nnx.Module):
+    """The causal LM: `logits, cache = model(tokens, positions, cache=None)`.
+
+    embed_tokens [V, D]; layers (a list of DecoderLayer, or one DecoderLayer whose weights carry a
+    leading [L] axis when cfg.scan_layers); norm; lm_head [D, V] unless tie_word_embeddings (then
+    the logits use embed_tokens transposed).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+                                      param_dtype=cfg.weight_dtype,
+                                      embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+        layers = [DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            # Built layer by layer from the same rng stream, then stacked: a scanned model and a
+            # looped one made from equal Rngs hold equal weights.
+            graphdef, _ = nnx.split(layers[0])
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(l) for l in layers])
+            self.layers = nnx.merge(graphdef, stacked)
+        else:
+            self.layers = nnx.List(layers)
+        self.norm = _rms_norm(cfg, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array,
+               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions int32 [B, T] -> (final-normed hidden [B, T, D] in cfg.dtype, cache)."""
+        cfg = self.cfg
+        if tokens.ndim != 2 or positions.shape != tokens.shape:
+            raise ValueError(f"tokens and positions must both be [batch, seq]; got {tokens.shape} "
+                             f"and {positions.shape}.")
+        if cache is not None and cache.k.shape[0] != cfg.num_layers:
+            raise ValueError(f"cache has {cache.k.shape[0]} layers, the model {cfg.num_layers}; "
+                             "build it with init_cache(cfg, batch, max_len).")
+        positions = positions.astype(jnp.int32)
+        x = self.embed_tokens(tokens).astype(cfg.compute_dtype)
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+            step = jax.checkpoint(_run_layer, static_argnums=(0,)) if cfg.remat else _run_layer
+
+            def body(carry, xs):
+                x, cache = carry
+                state, layer = xs
+                return step(graphdef, state, x, positions, cache, layer), None
+
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+        else:
+            for i, layer in enumerate(self.layers):
+                if cfg.remat:
+                    graphdef, state = nnx.split(layer)
+                    x, cache = jax.checkpoint(_run_layer, static_argnums=(0, 5))(
+                        graphdef, state, x, positions, cache, i)
+                else:
+                    x, cache = layer(x, positions, cache, i)
+        return self.norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, T, D] -> logits float32 [B, T, V] (matmul in cfg.dtype, accumulated in float32)."""
+        dtype = self.cfg.compute_dtype
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding[...].astype(dtype)  # [V, D]
+            return jnp.einsum("btd,vd->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...].astype(dtype)  # [D, V]
+        return jnp.einsum("btd,dv->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], cache)."""
+        hidden, cache = self.hidden(tokens, positions, cache)
+        return self.logits(hidden), cache
+
+
+class ValueHead(nnx.Module):
+    """Scalar value per token: hidden [B, T, D] -> float32 [B, T].
+
+    Used on its own when the critic shares the policy's trunk (`head(policy.hidden(...)[0])`), and
+    inside `Critic` when it has its own. Initialised like HF's token-classification `score` layer
+    (normal(initializer_range) kernel, zero bias), as verl's value-head model is.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.score = nnx.Linear(cfg.hidden_size, 1, use_bias=True, param_dtype=cfg.weight_dtype,
+                                kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        w = self.score.kernel[...].astype(jnp.float32)
+        return (hidden.astype(jnp.float32) @ w)[..., 0] + self.score.bias[...].astype(jnp.float32)[0]
+
+
+class Critic(nnx.Module):
+    """A separate critic: its own Decoder trunk + ValueHead. `values, cache = critic(tokens, positions)`.
+
+    The trunk is a full Decoder (its lm_head is kept so a policy checkpoint loads unchanged; it is
+    simply unused here). values: float32 [B, T], value of the state ending at token t.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.trunk = Decoder(cfg, rngs=rngs)
+        self.value_head = ValueHead(cfg, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        hidden, cache = self.trunk.hidden(tokens, positions, cache)
+        return self.value_head(hidden), cache

@@ -1,0 +1,62 @@
+"""The KV cache: one key/value slot per position, per layer, per row.
+
+Slot semantics (the contract every caller relies on): token `[b, t]` at position `p = positions[b, t]`
+is written to slot `p` of row `b`, and it attends to every slot `<= p` of that row. Writes at
+positions outside `[0, max_len)` are dropped. Each row therefore has its own write position and a
+ragged batch needs no extra mask: padding written beyond a row's valid length sits in slots that the
+row's next real token overwrites before any query can see them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ragen_jax.models.config import ModelConfig
+
+
+class KVCache(NamedTuple):
+    """Keys and values after RoPE, as a pytree.
+
+    k, v: [layers, batch, max_len, kv_heads, head_dim]
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An all-zero cache; `dtype` defaults to the model's compute dtype.
+
+    Returns KVCache with k, v: [cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim].
+    """
+    if batch <= 0 or max_len <= 0:
+        raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got batch={batch}, max_len={max_len}.")
+    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def write_layer(cache: KVCache, layer: int | jax.Array, positions: jax.Array,
+                k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """Scatter one layer's new keys/values into their slots.
+
+    positions: int32 [B, T]; k_new, v_new: [B, T, kv_heads, head_dim]. Slots outside
+    [0, max_len) are dropped (negative positions too: they are sent past the end first, because a
+    plain negative index would wrap around to the last slot).
+    """
+    batch, _ = positions.shape
+    slots = jnp.where(positions < 0, cache.max_len, positions)
+    rows = jnp.arange(batch)[:, None]
+    k = cache.k.at[layer, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[layer, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+    return KVCache(k, v)
