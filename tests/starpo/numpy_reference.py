@@ -258,3 +258,104 @@ def token_logprobs_and_entropy(logits, tokens):
             logp[b, t] = lp[tokens[b, t]]
             ent[b, t] = -sum(math.exp(z) * z for z in lp)
     return logp, ent
+
+
+# ---------------------------------------------------------------------------------------------
+# SNR-adaptive rollout filter (spec §6)
+# ---------------------------------------------------------------------------------------------
+
+
+def group_score(per_row, group_size, metric):
+    out = []
+    for g in groups_of([float(v) for v in per_row], group_size):
+        if metric in ("reward_variance", "reward_std", "entropy_variance", "entropy_std"):
+            out.append(std_unbiased(g))
+        elif metric in ("reward", "length", "entropy"):
+            out.append(mean(g))
+        elif metric == "reward_sum":
+            out.append(sum(g))
+        else:
+            raise KeyError(metric)
+    return out
+
+
+def select_groups(scores, strategy, value, largest=True, include_zero=True, mode="linear", eps=0.01):
+    """Indices of kept groups (hard strategies) or a weight list (``weighted``), by the spec's walk."""
+    G = len(scores)
+    remaining = [i for i in range(G) if include_zero or abs(scores[i]) > 1e-10]
+    if not remaining:
+        return [0.0] * G
+    # Stable sort, best first.
+    ordered = sorted(remaining, key=(lambda i: -scores[i]) if largest else (lambda i: scores[i]))
+    chosen = []
+    if strategy == "top_p":
+        if value >= 1.0:
+            chosen = remaining
+        elif mode == "linear":
+            threshold = value * sum(scores[i] for i in remaining) - eps
+            cum, walked = 0.0, []
+            for i in ordered:
+                if cum >= threshold:
+                    break
+                if scores[i] <= 0:
+                    break
+                walked.append(i)
+                cum += scores[i]
+            chosen = walked if cum >= threshold else []
+        else:
+            logits = [scores[i] if largest else -scores[i] for i in ordered]
+            top = max(logits)
+            exps = [math.exp(z - top) for z in logits]
+            total = sum(exps)
+            cum, k = 0.0, len(ordered)
+            for j, e in enumerate(exps):
+                cum += e / total
+                if cum >= value:
+                    k = j + 1
+                    break
+            chosen = ordered[:min(k, len(ordered))]
+    elif strategy == "top_k":
+        k = max(1, min(int(value * G), len(remaining)))
+        chosen = ordered[:k]
+    elif strategy == "top_k_abs":
+        k = max(1, min(int(value), len(remaining)))
+        chosen = ordered[:k]
+    elif strategy == "min_p":
+        if largest:
+            best = max(scores[i] for i in remaining)
+            chosen = [i for i in remaining if scores[i] >= best * value - 1e-10]
+        else:
+            best = min(scores[i] for i in remaining)
+            chosen = [i for i in remaining if scores[i] <= best / (value + 1e-10) + 1e-10]
+    elif strategy == "weighted":
+        if largest:
+            raw = {i: max(scores[i], 0.0) for i in remaining}
+        else:
+            top = max(scores[i] for i in remaining)
+            raw = {i: top - scores[i] for i in remaining}
+        total = sum(raw.values())
+        weights = [0.0] * G
+        for i in remaining:
+            weights[i] = raw[i] * len(remaining) / total if total > 0 else 1.0
+        return weights
+    else:
+        raise KeyError(strategy)
+    return [1.0 if i in chosen else 0.0 for i in range(G)]
+
+
+def filter_metrics(per_row, group_size, weights, source):
+    """Spec §6.4 metrics: means over groups of per-group std/max/mean/sum, before and over kept groups."""
+    groups = groups_of([float(v) for v in per_row], group_size)
+    stats = {"std": [std_unbiased(g) for g in groups], "max": [max(g) for g in groups],
+             "mean": [mean(g) for g in groups], "sum": [sum(g) for g in groups]}
+    out = {}
+    total_w = sum(weights)
+    for name, vals in stats.items():
+        before = mean(vals)
+        after = sum(w * v for w, v in zip(weights, vals)) / total_w if total_w > 0 else 0.0
+        out[f"rollout/in_group_{source}_{name}"] = before
+        out[f"rollout/chosen_in_group_{source}_{name}"] = after
+    kept = sum(1 for w in weights if w > 0)
+    out["rollout/filter_kept_count"] = kept
+    out["rollout/filter_kept_ratio"] = kept / len(groups)
+    return out

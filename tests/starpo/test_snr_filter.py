@@ -1,0 +1,203 @@
+"""SNR-adaptive rollout filter against the spec's worked examples (§6.2) and a loop-based reference.
+
+Random batches come from seeded ``numpy.random.default_rng`` generators (reproducible runs).
+"""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ragen_jax.starpo import snr_filter
+from tests.starpo import numpy_reference as ref
+
+
+def filter_on_stds(stds, **kwargs):
+    """Runs the filter with episode scores built so each group's std is exactly ``stds[g]``.
+
+    Group of 2 rows (m - a, m + a) has unbiased std a * sqrt(2); we pick a = std / sqrt(2).
+    """
+    rows = []
+    for s in stds:
+        a = s / np.sqrt(2.0)
+        rows += [1.0 - a, 1.0 + a]
+    return snr_filter.rollout_filter(group_size=2, episode_scores=jnp.asarray(rows, jnp.float32), **kwargs)
+
+
+def kept(result):
+    return np.nonzero(np.asarray(result.group_weights))[0].tolist()
+
+
+# --- spec §6.2 worked examples ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stds,want", [
+    ([0.5, 0.5, 0.45, 0.4, 0, 0, 0, 0], 7),
+    ([0.5, 0.5, 0.3, 0, 0, 0, 0, 0], 8),
+    ([5, 4.5, 3] + [0.3] * 5, 3),
+    ([2.9] + [0.3] * 7, 6),
+])
+def test_softmax_nucleus_spec_examples(stds, want):
+    res = filter_on_stds(stds, strategy="top_p", value=0.9, top_p_mode="softmax")
+    assert int(res.kept_count) == want
+    assert kept(res) == list(range(want))  # the highest-std groups, ties by index
+
+
+def test_linear_walk_hand_worked():
+    # sum = 6.5, threshold = 0.6 * 6.5 - 0.01 = 3.89. Walk: +3 (cum 3), +2 (cum 5 >= 3.89) -> stop.
+    res = filter_on_stds([1, 3, 0.5, 2, 0, 0], strategy="top_p", value=0.6)
+    assert kept(res) == [1, 3]
+    # [0.5, 0.5, 0.45, 0.4, 0 x 4] at 0.9: threshold 1.655; 0.5 + 0.5 + 0.45 = 1.45 < 1.655, + 0.4 -> keep 4.
+    res = filter_on_stds([0.5, 0.5, 0.45, 0.4, 0, 0, 0, 0], strategy="top_p", value=0.9)
+    assert kept(res) == [0, 1, 2, 3]
+    assert float(res.metrics["rollout/filter_kept_ratio"]) == 0.5
+    assert float(res.metrics["rollout/filter_zero_count"]) == 4
+
+
+def test_linear_all_zero_is_empty_and_softmax_is_not():
+    res = filter_on_stds([0, 0, 0, 0], strategy="top_p", value=0.9)
+    assert bool(res.is_empty) and int(res.kept_count) == 0
+    np.testing.assert_array_equal(res.row_weights, np.zeros(8))
+    res = filter_on_stds([0, 0, 0, 0], strategy="top_p", value=0.9, top_p_mode="softmax")
+    assert int(res.kept_count) == 4  # softmax of equal scores is uniform: needs all 4 for 0.9
+
+
+def test_include_zero_and_no_op_fast_path():
+    stds = [0.7, 0, 0.2, 0]
+    # value 1.0 with include_zero=True keeps everything (the no-op)...
+    res = filter_on_stds(stds, strategy="top_p", value=1.0, include_zero=True)
+    np.testing.assert_array_equal(res.row_weights, np.ones(8))
+    # ...but value 1.0 with include_zero=False still drops the zero-std groups.
+    res = filter_on_stds(stds, strategy="top_p", value=1.0, include_zero=False)
+    assert kept(res) == [0, 2]
+    # All groups zero and include_zero=False: empty for every strategy.
+    for strategy in snr_filter.FILTER_STRATEGIES.names():
+        res = filter_on_stds([0, 0, 0], strategy=strategy, value=0.5, include_zero=False)
+        assert bool(res.is_empty), strategy
+
+
+def test_direction_largest_keeps_high_variance():
+    stds = [0.1, 2.0, 0.5, 1.0]
+    assert kept(filter_on_stds(stds, strategy="top_k", value=0.5)) == [1, 3]
+    assert kept(filter_on_stds(stds, strategy="top_k", value=0.5, filter_type="smallest")) == [0, 2]
+
+
+def test_weighted_mode_mean_one_and_uniform_fallback():
+    res = filter_on_stds([1, 3, 0, 4], strategy="weighted")
+    np.testing.assert_allclose(res.group_weights, [0.5, 1.5, 0.0, 2.0], rtol=1e-5)
+    res = filter_on_stds([0, 0, 0], strategy="weighted")
+    np.testing.assert_allclose(res.group_weights, [1, 1, 1])
+    assert not bool(res.is_empty)
+
+
+# --- random inputs against the reference --------------------------------------------------------
+
+
+def random_scores(seed, num_groups=8, group_size=4):
+    rng = np.random.default_rng(seed)
+    # Small integer rewards: some groups constant (std 0), some std ties; plus a continuous batch.
+    if seed % 2:
+        rows = rng.integers(-1, 3, size=num_groups * group_size).astype(float)
+        for g in rng.choice(num_groups, size=2, replace=False):
+            rows[g * group_size:(g + 1) * group_size] = rows[g * group_size]
+    else:
+        rows = rng.normal(size=num_groups * group_size) * rng.choice([0.1, 1.0, 5.0])
+        rows[:group_size] = 0.0
+    return rows
+
+
+CASES = list(itertools.product(
+    ["top_p", "top_k", "top_k_abs", "min_p", "weighted"],
+    [True, False],  # largest
+    [True, False],  # include_zero
+))
+
+
+@pytest.mark.parametrize("strategy,largest,include_zero", CASES)
+@pytest.mark.parametrize("metric", ["reward_variance", "reward", "reward_sum"])
+def test_selection_matches_reference(strategy, largest, include_zero, metric):
+    values = {"top_p": [0.3, 0.7, 0.9, 1.0], "top_k": [0.25, 0.5, 0.7, 0.01],
+              "top_k_abs": [1, 3, 5, 20], "min_p": [0.37, 0.83, 0.61], "weighted": [1.0]}[strategy]
+    modes = ["linear", "softmax"] if strategy == "top_p" else ["linear"]
+    for seed, value, mode in itertools.product(range(6), values, modes):
+        rows = random_scores(seed)
+        scores = ref.group_score(rows, 4, metric)
+        want = ref.select_groups(scores, strategy, value, largest, include_zero, mode)
+        res = snr_filter.rollout_filter(
+            group_size=4, episode_scores=jnp.asarray(rows, jnp.float32), metric=metric, strategy=strategy,
+            value=value, filter_type="largest" if largest else "smallest", include_zero=include_zero,
+            top_p_mode=mode)
+        ctx = f"seed={seed} value={value} mode={mode} scores={np.round(scores, 4)}"
+        np.testing.assert_allclose(res.group_scores, scores, rtol=1e-5, atol=1e-5, err_msg=ctx)
+        np.testing.assert_allclose(res.group_weights, want, rtol=1e-5, atol=1e-6, err_msg=ctx)
+        np.testing.assert_allclose(res.row_weights, np.repeat(want, 4), rtol=1e-5, atol=1e-6)
+        assert bool(res.is_empty) == (sum(want) == 0)
+
+
+@pytest.mark.parametrize("metric,source", [("length", "length"), ("entropy", "entropy"),
+                                           ("entropy_variance", "entropy")])
+def test_non_reward_metrics_and_logged_metrics(metric, source):
+    rng = np.random.default_rng(21)
+    per_row = rng.random(24) * 10
+    kwargs = {"response_lengths" if source == "length" else "row_entropy": jnp.asarray(per_row, jnp.float32)}
+    res = snr_filter.rollout_filter(group_size=4, metric=metric, strategy="top_k", value=0.5, **kwargs)
+    scores = ref.group_score(per_row, 4, metric)
+    want_w = ref.select_groups(scores, "top_k", 0.5)
+    np.testing.assert_allclose(res.group_weights, want_w)
+    for k, v in ref.filter_metrics(per_row, 4, want_w, source).items():
+        np.testing.assert_allclose(res.metrics[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(res.metrics["rollout/in_group_std"],
+                               res.metrics[f"rollout/in_group_{source}_std"])
+
+
+def test_reward_metrics_over_kept_groups():
+    rows = random_scores(4)
+    res = snr_filter.rollout_filter(group_size=4, episode_scores=jnp.asarray(rows, jnp.float32),
+                                    strategy="top_p", value=0.5)
+    weights = ref.select_groups(ref.group_score(rows, 4, "reward_variance"), "top_p", 0.5)
+    for k, v in ref.filter_metrics(rows, 4, weights, "reward").items():
+        np.testing.assert_allclose(res.metrics[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(res.row_group_scores, np.repeat(res.group_scores, 4))
+
+
+def test_row_mean_entropy():
+    ent = jnp.array([[0.0, 1.0, 3.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = jnp.array([[False, True, True, False], [False] * 4])
+    np.testing.assert_allclose(snr_filter.row_mean_entropy(ent, mask), [2.0, 0.0])
+
+
+@pytest.mark.parametrize("strategy,mode", [("top_p", "linear"), ("top_p", "softmax"), ("top_k", "linear"),
+                                           ("top_k_abs", "linear"), ("min_p", "linear")])
+def test_jit_with_traced_value(strategy, mode):
+    rows = jnp.asarray(random_scores(2), jnp.float32)
+    fn = jax.jit(lambda r, v: snr_filter.rollout_filter(
+        group_size=4, episode_scores=r, strategy=strategy, value=v, top_p_mode=mode).group_weights)
+    for value in ([0.5, 0.7] if strategy != "top_k_abs" else [2.0, 5.0]):
+        want = ref.select_groups(ref.group_score(np.asarray(rows, float), 4, "reward_variance"),
+                                 strategy, value, mode=mode)
+        np.testing.assert_allclose(fn(rows, jnp.float32(value)), want)
+
+
+def test_filter_loss_scale():
+    np.testing.assert_allclose(snr_filter.filter_loss_scale("none", 0.25), 1.0)
+    np.testing.assert_allclose(snr_filter.filter_loss_scale("linear", 0.25), 0.25)
+    np.testing.assert_allclose(snr_filter.filter_loss_scale("sqrt", 0.25), 0.5)
+    with pytest.raises(ValueError, match="Unknown filter loss scaling 'log'"):
+        snr_filter.filter_loss_scale("log", 0.25)
+
+
+def test_bad_configuration_errors():
+    rows = jnp.zeros(8)
+    with pytest.raises(ValueError, match="Unknown filter strategy 'top-p'.*'top_p'"):
+        snr_filter.rollout_filter(group_size=4, episode_scores=rows, strategy="top-p")
+    with pytest.raises(ValueError, match="Unknown filter type 'biggest'.*'largest'"):
+        snr_filter.rollout_filter(group_size=4, episode_scores=rows, filter_type="biggest")
+    with pytest.raises(ValueError, match="Unknown top_p probability mode"):
+        snr_filter.rollout_filter(group_size=4, episode_scores=rows, top_p_mode="exp")
+    with pytest.raises(ValueError, match="needs row_entropy"):
+        snr_filter.rollout_filter(group_size=4, episode_scores=rows, metric="entropy")
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        snr_filter.rollout_filter(group_size=3, episode_scores=rows)
+    with pytest.raises(ValueError, match="Unknown filter group score 'variance'"):
+        snr_filter.rollout_filter(group_size=4, episode_scores=rows, metric="variance")
