@@ -293,3 +293,78 @@ def value_loss(values, old_values, returns, loss_mask, *, cliprange_value=0.5):
         "vpred_mean": _masked_mean(values, mask),
     }
     return jnp.where(mask, 0.5 * jnp.maximum(loss_plain, loss_clipped), 0.0), metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole objectives as (numerator, denominator): what one micro-batch contributes
+# ---------------------------------------------------------------------------------------------
+
+
+def actor_objective(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    loss_mask: Array,
+    *,
+    loss_agg_mode: str = "token-mean",
+    row_weights: Optional[Array] = None,
+    policy_loss_name: str = "ppo",
+    entropy: Optional[Array] = None,
+    entropy_coeff: float = 0.0,
+    ref_logp: Optional[Array] = None,
+    kl_type: str = "kl",
+    kl_coef: float = 0.0,
+    **policy_hparams,
+) -> tuple[Array, Array, dict]:
+    """Actor loss of one (micro-)batch as ``(numerator, denominator, metrics)``.
+
+        loss = agg(pg_loss) - entropy_coeff * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
+
+    All three terms share one mask and one aggregation mode, hence one denominator, so the objective
+    is a single numerator over it: ``combine`` the pairs of all micro-batches (or divide each
+    numerator by the total ``loss_denominator``) to get the exact full-batch loss and gradient.
+    ``entropy`` (``[B, L]``, e.g. ``token_entropy``) and ``ref_logp`` are only needed when their
+    coefficient is non-zero. ``policy_hparams`` go to the policy loss (``clip_ratio_low``, ...).
+
+    Metrics (this micro-batch's values): ``pg_loss``, ``entropy`` (if given), ``kl_loss`` (if a KL
+    term is used) and the policy loss's own metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``).
+    """
+    per_token, metrics = policy_loss(policy_loss_name, logp, old_logp, advantages, loss_mask, **policy_hparams)
+    num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
+    metrics = dict(metrics)
+    safe_den = jnp.maximum(den, 1e-12)
+    metrics["pg_loss"] = num / safe_den
+    if entropy is not None:
+        ent_num, _ = aggregate(entropy, loss_mask, loss_agg_mode, row_weights)
+        metrics["entropy"] = ent_num / safe_den
+        num = num - entropy_coeff * ent_num
+    elif entropy_coeff != 0.0:
+        raise ValueError("entropy_coeff is non-zero but no per-token entropy [B, L] was passed.")
+    if kl_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef is non-zero but no reference log-probs (ref_logp [B, L]) were passed.")
+        kl_num, _ = aggregate(kl_penalty(kl_type, logp, ref_logp), loss_mask, loss_agg_mode, row_weights)
+        metrics["kl_loss"] = kl_num / safe_den
+        num = num + kl_coef * kl_num
+    return num, den, metrics
+
+
+def critic_objective(
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    loss_mask: Array,
+    *,
+    loss_agg_mode: str = "token-mean",
+    row_weights: Optional[Array] = None,
+    cliprange_value: float = 0.5,
+) -> tuple[Array, Array, dict]:
+    """Clipped value loss of one (micro-)batch as ``(numerator, denominator, metrics)``.
+
+    Metrics: ``vf_loss`` (this micro-batch's aggregate), ``vf_clipfrac``, ``vpred_mean``.
+    """
+    per_token, metrics = value_loss(values, old_values, returns, loss_mask, cliprange_value=cliprange_value)
+    num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
+    metrics = dict(metrics)
+    metrics["vf_loss"] = num / jnp.maximum(den, 1e-12)
+    return num, den, metrics

@@ -222,3 +222,50 @@ def test_unknown_names_list_allowed_values():
         losses.kl_penalty("low-var-kl", jnp.zeros(1), jnp.zeros(1))
     with pytest.raises(ValueError, match="Unknown policy loss 'gspo'.*'ppo'"):
         losses.policy_loss("gspo", *([jnp.zeros((1, 1))] * 4))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_actor_objective_combines_terms_over_one_denominator(mode):
+    logp, old, adv, mask = random_policy_batch(5)
+    rng = np.random.default_rng(6)
+    ent = rng.random(logp.shape) * 3
+    ref_logp = logp + rng.normal(scale=0.3, size=logp.shape)
+    w = (rng.random(logp.shape[0]) < 0.8).astype(float)
+    pg, _ = ref.ppo(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    kl = np.vectorize(lambda a, b: ref.kl_token("low_var_kl", a, b))(logp, ref_logp)
+    pg_num, den = ref.aggregate(pg, mask, mode, w)
+    ent_num, _ = ref.aggregate(ent, mask, mode, w)
+    kl_num, _ = ref.aggregate(kl, mask, mode, w)
+    f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    num, got_den, metrics = losses.actor_objective(
+        f(logp), f(old), f(adv), jnp.asarray(mask), loss_agg_mode=mode, row_weights=f(w),
+        entropy=f(ent), entropy_coeff=0.01, ref_logp=f(ref_logp), kl_type="low_var_kl", kl_coef=0.1)
+    np.testing.assert_allclose(got_den, den, rtol=1e-5)
+    np.testing.assert_allclose(num, pg_num - 0.01 * ent_num + 0.1 * kl_num, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(metrics["pg_loss"], pg_num / den, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(metrics["entropy"], ent_num / den, rtol=1e-5)
+    np.testing.assert_allclose(metrics["kl_loss"], kl_num / den, rtol=1e-4, atol=1e-6)
+
+
+def test_critic_objective_matches_reference():
+    rng = np.random.default_rng(13)
+    v_old = rng.normal(size=(4, 7))
+    v = v_old + rng.normal(scale=0.8, size=(4, 7))
+    ret = rng.normal(size=(4, 7))
+    mask = rng.random((4, 7)) < 0.7
+    per_token, _ = ref.value_loss(v, v_old, ret, mask, 0.2)
+    want = ref.aggregate(per_token, mask, "seq-mean-token-mean")
+    f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    num, den, metrics = losses.critic_objective(f(v), f(v_old), f(ret), jnp.asarray(mask),
+                                                loss_agg_mode="seq-mean-token-mean", cliprange_value=0.2)
+    np.testing.assert_allclose([num, den], want, rtol=1e-5)
+    np.testing.assert_allclose(metrics["vf_loss"], want[0] / want[1], rtol=1e-5)
+
+
+def test_objective_missing_inputs_are_named():
+    z = jnp.zeros((1, 2))
+    m = jnp.ones((1, 2), bool)
+    with pytest.raises(ValueError, match="entropy"):
+        losses.actor_objective(z, z, z, m, entropy_coeff=0.01)
+    with pytest.raises(ValueError, match="ref_logp"):
+        losses.actor_objective(z, z, z, m, kl_coef=0.1)
