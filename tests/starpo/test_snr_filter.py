@@ -201,3 +201,53 @@ def test_bad_configuration_errors():
         snr_filter.rollout_filter(group_size=3, episode_scores=rows)
     with pytest.raises(ValueError, match="Unknown filter group score 'variance'"):
         snr_filter.rollout_filter(group_size=4, episode_scores=rows, metric="variance")
+
+
+def test_filter_advantages_loss_pipeline_on_a_trajectory_under_jit():
+    """Filter -> bi-level GAE -> loss scaling -> PPO objective in one jit, on a real Trajectory layout,
+    against the same chain of NumPy references."""
+    from ragen_jax.starpo import advantages, losses
+    from tests.starpo.traj_factory import Conversation, Turn, build_trajectory
+
+    rng = np.random.default_rng(31)
+    group_size, num_groups = 3, 4
+    convs = []
+    for g in range(num_groups):
+        for _ in range(group_size):
+            turns = [Turn(obs=[5] * int(rng.integers(1, 4)), reasoning=[6] * int(rng.integers(0, 4)),
+                          answer=[7] * int(rng.integers(1, 3)),
+                          reward=float(rng.choice([0.0, 1.0, -0.5])) * (g > 0),  # group 0: zero std
+                          format_penalty=-0.1 * float(rng.random() < 0.3) * (g > 0))
+                     for _ in range(int(rng.integers(1, 4)))]
+            convs.append(Conversation(preamble=[4, 4], turns=turns))
+    traj = build_trajectory(convs, [i // group_size for i in range(len(convs))])
+    B, L = traj.tokens.shape
+    values = rng.normal(size=(B, L)).astype(np.float32)
+    logp = (-rng.exponential(size=(B, L))).astype(np.float32)
+    old = (logp - rng.normal(scale=0.3, size=(B, L))).astype(np.float32)
+
+    @jax.jit
+    def step(traj, values, logp, old):
+        res = snr_filter.rollout_filter(group_size=group_size,
+                                        episode_scores=advantages.episode_scores(traj.token_rewards),
+                                        strategy="top_p", value=0.6, include_zero=False)
+        mask = traj.loss_mask & (res.row_weights[:, None] > 0)
+        adv, _ = advantages.compute_advantages("bilevel_gae", traj.token_rewards, values, mask,
+                                               traj.turn_ids, group_size=group_size, high_level_gamma=0.9)
+        adv = adv * snr_filter.filter_loss_scale("sqrt", res.kept_ratio)
+        num, den, _ = losses.actor_objective(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+        return num / den, res.group_weights
+
+    loss, weights = step(traj, values, logp, old)
+
+    r = np.asarray(traj.token_rewards, float)
+    scores = ref.group_score(r.sum(1), group_size, "reward_variance")
+    want_w = ref.select_groups(scores, "top_p", 0.6, include_zero=False)
+    np.testing.assert_allclose(weights, want_w)
+    assert 0 < sum(want_w) < num_groups and want_w[0] == 0
+    mask = np.asarray(traj.loss_mask) & np.repeat(np.array(want_w) > 0, group_size)[:, None]
+    a, _ = ref.bilevel_gae(r, values.astype(float), mask, np.asarray(traj.turn_ids), 1.0, 1.0, 0.9)
+    a = ref.whiten(a, mask) * np.sqrt(sum(w > 0 for w in want_w) / num_groups)
+    per_token, _ = ref.ppo(logp.astype(float), old.astype(float), a, mask, 0.2, 0.28, 3.0)
+    num, den = ref.aggregate(per_token, mask, "seq-mean-token-mean")
+    np.testing.assert_allclose(loss, num / den, rtol=1e-4, atol=1e-6)
