@@ -113,7 +113,7 @@ class TokenTable:
             it = iter(encoded)
             for e in entries:
                 if isinstance(e, str):
-                    ids = list(next(it)) if e else []
+                    ids = list(next(it))
                     if decode(self.tokenizer, ids) != e:
                         raise ValueError(
                             f"the tokenizer does not round-trip {e!r} (table {name!r}); the rollout needs a "
@@ -213,3 +213,183 @@ def tokens_to_bytes(byte_table, byte_lengths, tokens, valid, out_len: int):
     """A reply's bytes. ``tokens`` int32 ``[N]``, ``valid`` bool ``[N]`` →
     ``(bytes uint8 [out_len], n int32 [], token_index int32 [out_len])`` (token each byte came from)."""
     return concat_pieces(byte_table, byte_lengths, tokens, valid, out_len, pad_id=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The agent's user turns as pieces
+# --------------------------------------------------------------------------------------------
+class PromptCodec:
+    """Token tables for every text the agent loop writes, and the device assembly of a turn.
+
+    One table holds: the environment's ``piece_table`` (observations), the chat framing, the fixed
+    prompt fragments, the printed integers ``0..max_int`` (turn numbers, actions left) and the
+    printed rewards. Rewards are printed to ``reward_decimals`` places (``prompts.reward_text``):
+    the table holds every multiple of ``10**-reward_decimals`` in ``[-reward_limit, reward_limit]``;
+    a turn reward outside that range is printed clipped to the nearest end (the trainer still sees
+    the exact value — only the text the model reads is clipped).
+
+    A turn's chunk (what ``prefill`` writes for turn ``t``, 0-based) is::
+
+        [close of the previous assistant message + user header]        (t > 0)
+        ["Reward:\\n" r "\\n"]                                            (t > 0)
+        "\\nTurn " t+1 ":\\nState:\\n" <observation> "\\n" [warning]
+        "You have " n " actions left. Always output: ... (tokens).\\n"
+        <generation prompt> <forced "<think>">
+
+    The close is ``assistant_end`` when the model did not emit the end-of-turn token itself and the
+    rest of it when it did.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        framing,
+        env_pieces,
+        system_text: str,
+        *,
+        enable_think: bool,
+        max_words: int,
+        max_int: int,
+        max_obs_pieces: int,
+        max_obs_tokens: int | None = None,
+        reward_decimals: int = 1,
+        reward_limit: float = 50.0,
+    ):
+        from ragen_jax.rollout import prompts  # local: prompts is text-only and imports nothing
+
+        self.framing = framing
+        self.enable_think = enable_think
+        self.max_words = max_words
+        self.reward_decimals = reward_decimals
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = int(pad_id)
+        t = TokenTable(tokenizer, self.pad_id)
+        self.table_builder = t
+        strip = framing.trims_content
+
+        self.env_offset = t.add_block("env", list(env_pieces))
+        end_ids = encode(tokenizer, framing.assistant_end)
+        eot_ids = encode(tokenizer, framing.end_of_turn)
+        if len(eot_ids) != 1 or end_ids[:1] != eot_ids:
+            raise ValueError(
+                f"the end-of-turn string {framing.end_of_turn!r} must be a single token that opens "
+                f"the assistant close {framing.assistant_end!r}"
+            )
+        self.eot_id = eot_ids[0]
+        self.close_full_ids = end_ids
+        header = framing.user_header
+        self.close_full = t.add("close_full", tuple(end_ids + encode(tokenizer, header)))
+        self.close_rest = t.add("close_rest", tuple(end_ids[1:] + encode(tokenizer, header)))
+        self.end_full = t.add("end_full", tuple(end_ids))
+        self.end_rest = t.add("end_rest", tuple(end_ids[1:]))
+        self.reward_head = t.add("reward_head", "Reward:\n")
+        self.newline = t.add("newline", "\n")
+        self.turn_head = t.add("turn_head", "\nTurn ")
+        self.turn_head_first = t.add("turn_head_first", "Turn " if strip else "\nTurn ")
+        self.state_head = t.add("state_head", ":\nState:\n")
+        self.warning = t.add("warning", prompts.INVALID_ACTION_WARNING)
+        self.you_have = t.add("you_have", "You have ")
+        tail = (
+            f" actions left. Always output: {prompts.format_instruction(enable_think)} with no extra text. "
+            f"Strictly follow this format. Max response length: {max_words} words (tokens).\n"
+        )
+        self.tail = t.add("tail", tail.rstrip() if strip else tail)
+        self.gen_prompt = t.add("gen_prompt", framing.user_to_assistant)
+        self.forced = t.add("forced", prompts.forced_prefix(enable_think))
+        self.int_offset = t.add_block("ints", [str(i) for i in range(max_int + 1)])
+        self.max_int = max_int
+        scale = 10**reward_decimals
+        self.reward_kmax = int(round(reward_limit * scale))
+        self.reward_offset = t.add_block(
+            "rewards", [prompts.reward_text(k / scale, reward_decimals) for k in range(-self.reward_kmax, self.reward_kmax + 1)]
+        )
+        self.reward_zero = t.add("reward_unstepped", prompts.reward_text(None))
+        self.table, self.lengths = t.build()
+        self.max_obs_pieces = max_obs_pieces
+
+        # Static bound on a chunk's length: the longest candidate of every slot.
+        L = t.length
+        env_max = max(L(self.env_offset + i) for i in range(len(env_pieces))) if len(env_pieces) else 0
+        int_max = max(L(self.int_offset + i) for i in range(max_int + 1))
+        rew_max = max(L(self.reward_offset + i) for i in range(2 * self.reward_kmax + 1))
+        self.chunk_len = (
+            max(L(self.close_full), L(self.close_rest))
+            + L(self.reward_head) + max(rew_max, L(self.reward_zero)) + L(self.newline)
+            + max(L(self.turn_head), L(self.turn_head_first)) + int_max + L(self.state_head)
+            + self.obs_bound(max_obs_pieces * env_max, max_obs_tokens) + L(self.newline) + L(self.warning) + L(self.you_have) + int_max
+            + L(self.tail) + L(self.gen_prompt) + L(self.forced)
+        )
+        self.preamble_text = framing.preamble + (system_text.strip() if strip else system_text) + framing.system_to_user
+        self.preamble_ids = np.asarray(encode(tokenizer, self.preamble_text), np.int32)
+        if decode(tokenizer, self.preamble_ids) != self.preamble_text:
+            raise ValueError("the tokenizer does not round-trip the system prompt; use a lossless tokenizer")
+        self.forced_len = L(self.forced)
+        self.end_len = L(self.end_full)
+
+    @staticmethod
+    def obs_bound(safe: int, requested: int | None) -> int:
+        return safe if requested is None else min(safe, int(requested))
+
+    # ---- device -------------------------------------------------------------------------
+    def reward_id(self, reward, stepped):
+        """Table row printing a turn's env reward (``"0"`` when the env was not stepped)."""
+        scale = 10.0**self.reward_decimals
+        k = jnp.clip(jnp.round(reward * scale).astype(jnp.int32), -self.reward_kmax, self.reward_kmax)
+        return jnp.where(stepped, self.reward_offset + self.reward_kmax + k, self.reward_zero).astype(jnp.int32)
+
+    def int_id(self, i):
+        return (self.int_offset + jnp.clip(i, 0, self.max_int)).astype(jnp.int32)
+
+    def turn_pieces(self, t, obs_pieces, obs_n, *, eot_emitted, reward_id, warning, actions_left):
+        """Piece ids ``[M]`` and validity ``[M]`` of one row's chunk for turn ``t`` (0-based).
+
+        ``obs_pieces`` int32 ``[max_obs_pieces]`` / ``obs_n`` from ``env.render_pieces``;
+        ``eot_emitted``: the previous reply ended with the end-of-turn token.
+        """
+        later = t > 0
+        c = lambda x: jnp.asarray(x, jnp.int32)
+        head = [
+            (jnp.where(eot_emitted, self.close_rest, self.close_full), later),
+            (c(self.reward_head), later),
+            (reward_id, later),
+            (c(self.newline), later),
+            (jnp.where(later, self.turn_head, self.turn_head_first), True),
+            (self.int_id(t + 1), True),
+            (c(self.state_head), True),
+        ]
+        tail = [
+            (c(self.newline), True),
+            (c(self.warning), warning),
+            (c(self.you_have), True),
+            (self.int_id(actions_left), True),
+            (c(self.tail), True),
+            (c(self.gen_prompt), True),
+            (c(self.forced), True),
+        ]
+        ids = jnp.concatenate(
+            [jnp.stack([jnp.asarray(i, jnp.int32) for i, _ in head]),
+             self.env_offset + obs_pieces.astype(jnp.int32),
+             jnp.stack([jnp.asarray(i, jnp.int32) for i, _ in tail])]
+        )
+        valid = jnp.concatenate(
+            [jnp.stack([jnp.asarray(v, bool) for _, v in head]),
+             jnp.arange(obs_pieces.shape[0]) < obs_n,
+             jnp.stack([jnp.asarray(v, bool) for _, v in tail])]
+        )
+        return ids, valid
+
+    def chunk(self, ids, valid):
+        """``(tokens [chunk_len], n, src [chunk_len])`` of a piece list (one row)."""
+        return concat_pieces(self.table, self.lengths, ids, valid, self.chunk_len, self.pad_id)
+
+    # ---- host reference -----------------------------------------------------------------
+    def user_text(self, t: int, state_text: str, actions_left: int, warning: bool, prev_reward) -> str:
+        """Host text of turn ``t``'s user message (``prev_reward``: float, or None when not stepped)."""
+        from ragen_jax.rollout import prompts
+
+        text = prompts.turn_block(
+            t + 1, state_text, actions_left, warning=warning, enable_think=self.enable_think, max_words=self.max_words
+        )
+        if t > 0:
+            text = prompts.reward_message(prev_reward, self.reward_decimals) + text
+        return text

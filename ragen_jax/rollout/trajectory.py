@@ -51,6 +51,12 @@ class Trajectory:
     effective_action_rate: chex.Array  # float32 [B] mean over executed actions of action_is_effective
     response_length: chex.Array  # int32 [B] number of sampled tokens (sum of loss_mask)
 
+    # Rollout bookkeeping (optional for hand-built batches).
+    truncated: chex.Array | None = None  # bool [B] episode cut at a turn boundary by max_seq_len
+    # int32 [B, T] first transcript token (after the system preamble) that turn t could see: the
+    # preamble length in "full" context mode; the start of the oldest kept turn in "limited" mode.
+    context_start: chex.Array | None = None
+
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
