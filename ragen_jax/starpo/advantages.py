@@ -398,6 +398,8 @@ def compute_advantages(
             f"token_rewards {token_rewards.shape}, values {values.shape} and loss_mask "
             f"{loss_mask.shape} must all be [B, L]."
         )
+    if turn_ids is not None and turn_ids.shape != loss_mask.shape:
+        raise ValueError(f"turn_ids {turn_ids.shape} must be [B, L] like loss_mask {loss_mask.shape}.")
     _check_group_size(loss_mask.shape[0], group_size)
     adv, returns = est.fn(
         token_rewards, values, loss_mask, turn_ids,

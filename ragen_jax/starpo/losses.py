@@ -33,6 +33,14 @@ K3_DELTA_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
 
 
+def _check_shapes(what: str, **arrays) -> None:
+    """All named arrays must share one ``[B, L]`` shape (a static check, raised at trace time)."""
+    shapes = {name: tuple(jnp.shape(a)) for name, a in arrays.items() if a is not None}
+    if len(set(shapes.values())) > 1 or any(len(s) != 2 for s in shapes.values()):
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"{what}: expected arrays of one [B, L] shape, got {listed}.")
+
+
 def _masked_mean(x: Array, mask: Array) -> Array:
     m = mask.astype(jnp.float32)
     return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -128,7 +136,11 @@ def aggregate(x: Array, mask: Array, mode: str, row_weights: Optional[Array] = N
     contribution to both numerator and denominator: 0 removes the row, weights act as a weighted
     average. Denominators depend only on ``mask``/``row_weights``.
     """
-    return LOSS_AGGREGATIONS.get(mode)(x, mask, row_weights)
+    fn = LOSS_AGGREGATIONS.get(mode)
+    _check_shapes(f"aggregate({mode!r})", x=x, mask=mask)
+    if row_weights is not None and tuple(jnp.shape(row_weights)) != (jnp.shape(mask)[0],):
+        raise ValueError(f"row_weights must be [B] = ({jnp.shape(mask)[0]},), got {tuple(jnp.shape(row_weights))}.")
+    return fn(x, mask, row_weights)
 
 
 def loss_denominator(mask: Array, mode: str, row_weights: Optional[Array] = None) -> Array:
@@ -173,6 +185,7 @@ def ppo_clip_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1.0, got {clip_ratio_c}; use None to disable it.")
+    _check_shapes("ppo_clip_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
     log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -284,6 +297,7 @@ def value_loss(values, old_values, returns, loss_mask, *, cliprange_value=0.5):
     Returns: per-token loss ``[B, L]`` (0 outside the mask; aggregate it with ``aggregate``) and scalar
       metrics over the mask: ``vf_clipfrac`` (clipped term larger), ``vpred_mean``.
     """
+    _check_shapes("value_loss", values=values, old_values=old_values, returns=returns, loss_mask=loss_mask)
     v_clipped = old_values + jnp.clip(values - old_values, -cliprange_value, cliprange_value)
     loss_plain = jnp.square(values - returns)
     loss_clipped = jnp.square(v_clipped - returns)

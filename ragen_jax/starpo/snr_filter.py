@@ -183,6 +183,8 @@ def weighted(scores, eligible, *, value=1.0, largest=True, top_p_mode="linear", 
     largest: ``raw_g = max(score_g, 0)``; smallest: ``raw_g = max_eligible(score) - score_g``.
     ``w_g = raw_g * n_eligible / sum(raw)`` so the weights average 1 over the eligible groups;
     if every ``raw`` is 0 the weights are uniform (1). Ineligible groups get 0. ``value`` is unused.
+    The least informative end gets weight 0 (a zero-std group under ``largest``, the top-scoring
+    group under ``smallest``), which is the only way a group leaves the batch in this mode.
     """
     if largest:
         raw = jnp.maximum(scores, 0.0)
@@ -281,6 +283,8 @@ def rollout_filter(
         arg = {"reward": "episode_scores", "length": "response_lengths", "entropy": "row_entropy"}
         raise ValueError(f"Filter metric {metric!r} needs {arg[score_def.source]} [B]; it was not given.")
     per_row = jnp.asarray(per_row, jnp.float32)
+    if per_row.ndim != 1:
+        raise ValueError(f"Filter metric {metric!r} reads one value per row, [B]; got shape {per_row.shape}.")
     batch = per_row.shape[0]
     if not isinstance(group_size, int) or group_size < 1 or batch % group_size:
         raise ValueError(f"Batch of {batch} rows must be num_groups contiguous blocks of "

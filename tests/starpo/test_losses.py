@@ -269,3 +269,12 @@ def test_objective_missing_inputs_are_named():
         losses.actor_objective(z, z, z, m, entropy_coeff=0.01)
     with pytest.raises(ValueError, match="ref_logp"):
         losses.actor_objective(z, z, z, m, kl_coef=0.1)
+
+
+def test_shape_mismatches_are_named():
+    with pytest.raises(ValueError, match=r"x \(2, 3\), mask \(2, 4\)"):
+        losses.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 4)), "token-mean")
+    with pytest.raises(ValueError, match="row_weights must be"):
+        losses.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), "token-mean", jnp.ones(3))
+    with pytest.raises(ValueError, match="ppo_clip_loss.*advantages \\(1, 2\\)"):
+        losses.ppo_clip_loss(jnp.zeros((2, 2)), jnp.zeros((2, 2)), jnp.zeros((1, 2)), jnp.ones((2, 2)))
