@@ -116,12 +116,12 @@ def decoder_from_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndarra
         x = np.asarray(get_tensor(name))
         if transform is not None:
             x = transform(row, layer, x)
+        expected = tuple(want)[::-1] if row.transpose else tuple(want)  # in the checkpoint's layout
+        if tuple(x.shape) != expected:
+            raise ValueError(f"tensor {name!r} (for parameter {row.ours.format(i=layer)!r}): expected shape "
+                             f"{expected}, got {tuple(x.shape)}; the checkpoint does not match the config.")
         if row.transpose:
             x = x.T
-        if tuple(x.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} for parameter {row.ours.format(i=layer)!r}: expected shape "
-                             f"{tuple(want)}, got {tuple(x.shape)} (after transpose={row.transpose}); the "
-                             "checkpoint does not match the config.")
         return x
 
     dtype = cfg.weight_dtype
