@@ -99,47 +99,68 @@ def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
 
 
 class Bitboard:
-    """Static layout of a ``size × size`` board as a few uint32 words (whole rows per word).
+    """Static layout of ``boards`` stacked ``size × size`` boards as uint32 words, whole rows per word.
 
-    Cell ``(r, c)`` is bit ``(r % rows_per_word) * size + c`` of word ``r // rows_per_word``. A
-    4-connected flood step is then ~15 integer ops per word instead of a gather per cell.
+    Board ``k``'s cell ``(r, c)`` sits on global row ``g = k * size + r``: bit
+    ``(g % rows_per_word) * size + c`` of word ``g // rows_per_word`` (a 4×4 board is 16 bits, so
+    two candidate maps share a word). A 4-neighbour flood step is ~20 integer ops per word, for all
+    boards at once; vertical moves are masked at board boundaries so boards never leak into each
+    other.
     """
 
-    def __init__(self, size: int):
-        self.size = size
-        self.rows_per_word = 32 // size
-        self.num_words = -(-size // self.rows_per_word)
-        self.rows = [min(self.rows_per_word, size - w * self.rows_per_word) for w in range(self.num_words)]
-        self.mask = [(1 << (size * r)) - 1 for r in self.rows]
-        self.col_first = [sum(1 << (i * size) for i in range(r)) for r in self.rows]
-        self.col_last = [sum(1 << (i * size + size - 1) for i in range(r)) for r in self.rows]
-        cells = np.arange(size * size)
-        self.cell_word = cells // size // self.rows_per_word          # int [cells]
-        self.cell_bit = (cells // size % self.rows_per_word) * size + cells % size
+    def __init__(self, size: int, boards: int = 1):
+        n = self.size = size
+        self.boards = boards
+        rpw = self.rows_per_word = 32 // n
+        total = boards * n
+        self.num_words = -(-total // rpw)
+        self.rows = [min(rpw, total - w * rpw) for w in range(self.num_words)]
 
-    def pack(self, cells: chex.Array) -> list[chex.Array]:
-        """bool [..., size*size] -> list of num_words uint32 [...]."""
-        bits = cells.astype(jnp.uint32) << jnp.asarray(self.cell_bit, jnp.uint32)
-        word = jnp.asarray(self.cell_word)
+        def row_bits(w, pick):  # bits of the rows of word w whose global row satisfies pick
+            return sum(((1 << n) - 1) << (i * n) for i in range(self.rows[w]) if pick(w * rpw + i))
+
+        self.mask = [(1 << (n * r)) - 1 for r in self.rows]
+        self.col_first = [sum(1 << (i * n) for i in range(r)) for r in self.rows]
+        self.col_last = [sum(1 << (i * n + n - 1) for i in range(r)) for r in self.rows]
+        self.board_first_row = [row_bits(w, lambda g: g % n == 0) for w in range(self.num_words)]
+        self.board_last_row = [row_bits(w, lambda g: g % n == n - 1) for w in range(self.num_words)]
+
+    def position(self, board: chex.Array, cell: chex.Array) -> tuple[chex.Array, chex.Array]:
+        """(board, row-major cell index) -> (word index, bit index), both int32, any shape."""
+        g = board * self.size + cell // self.size
+        return g // self.rows_per_word, (g % self.rows_per_word) * self.size + cell % self.size
+
+    def one_hot(self, board: chex.Array, cell: chex.Array) -> list[chex.Array]:
+        """Words with one bit set per board: board ``k`` at ``cell[k]``. board, cell: int [boards]."""
+        word, bit = self.position(board, cell)
+        bits = jnp.uint32(1) << bit.astype(jnp.uint32)
         return [jnp.sum(jnp.where(word == w, bits, 0), axis=-1, dtype=jnp.uint32) for w in range(self.num_words)]
 
-    def spread(self, reach: list[chex.Array]) -> list[chex.Array]:
-        """One step of 4-neighbour dilation (inside the board)."""
-        n, u32 = self.size, jnp.uint32
+    def bit(self, words: list[chex.Array], board: chex.Array, cell: chex.Array) -> chex.Array:
+        """The bit of ``(board, cell)`` (same-shape int arrays) in ``words`` -> bool."""
+        word, bit = self.position(board, cell)
+        picked = sum(jnp.where(word == w, x, jnp.uint32(0)) for w, x in enumerate(words))
+        return ((picked >> bit.astype(jnp.uint32)) & 1) == 1
+
+    def spread(self, x: list[chex.Array]) -> list[chex.Array]:
+        """One step of 4-neighbour dilation, within each board."""
+        n, u32, last = self.size, jnp.uint32, self.num_words - 1
         out = []
-        for w, x in enumerate(reach):
-            y = (x | ((x << 1) & u32(self.mask[w] & ~self.col_first[w]))
-                 | ((x >> 1) & u32(self.mask[w] & ~self.col_last[w]))
-                 | ((x << n) & u32(self.mask[w])) | (x >> n))
-            if w + 1 < self.num_words:  # first row of the next word moves up into our last row
-                y = y | ((reach[w + 1] & u32((1 << n) - 1)) << (n * (self.rows[w] - 1)))
-            if w > 0:  # last row of the previous word moves down into our first row
-                y = y | (reach[w - 1] >> (n * (self.rows[w - 1] - 1)))
-            out.append(y)
+        for w, v in enumerate(x):
+            y = (v | ((v << 1) & u32(self.mask[w] & ~self.col_first[w]))
+                 | ((v >> 1) & u32(self.mask[w] & ~self.col_last[w])))
+            down = (v << n) & u32(self.mask[w])
+            if w > 0:  # the previous word's last row moves down into our first row
+                down = down | (x[w - 1] >> (n * (self.rows[w - 1] - 1)))
+            up = v >> n
+            if w < last:  # the next word's first row moves up into our last row
+                up = up | ((x[w + 1] & u32((1 << n) - 1)) << (n * (self.rows[w] - 1)))
+            out.append(y | (down & u32(~self.board_first_row[w] & 0xFFFFFFFF))
+                       | (up & u32(~self.board_last_row[w] & 0xFFFFFFFF)))
         return out
 
-    def connected(self, free: list[chex.Array], start: list[chex.Array], goal: list[chex.Array]) -> chex.Array:
-        """Whether ``goal`` is 4-connected to ``start`` through ``free`` cells (words as from ``pack``).
+    def flood(self, free: list[chex.Array], seed: list[chex.Array]) -> list[chex.Array]:
+        """Cells 4-connected to ``seed`` through ``free`` cells, in every board at once.
 
         Shortest paths on ``size**2`` cells have at most ``size**2 - 1`` steps, so that many static
         iterations always converge; extra ones are harmless because the fill is monotone.
@@ -148,8 +169,21 @@ class Bitboard:
             return [s & f for s, f in zip(self.spread(reach), free)]
 
         n_iter = self.size * self.size - 1
-        reach = jax.lax.fori_loop(0, n_iter, body, list(start), unroll=True if n_iter <= 24 else 8)
-        return jnp.any(jnp.stack([(r & g) != 0 for r, g in zip(reach, goal)]), axis=0)
+        return jax.lax.fori_loop(0, n_iter, body, list(seed), unroll=True if n_iter <= 24 else 8)
+
+
+def bernoulli_words(p16: chex.Array, words: chex.Array) -> chex.Array:
+    """Each bit independently 1 with probability ``p16 / 2**16``, 32 bits per output word.
+
+    Bit-parallel sampling: going through the 16 bits of ``p16`` from the least significant,
+    ``acc | r`` (bit 1) or ``acc & r`` (bit 0) with a fresh random word ``r`` maps the probability
+    ``x`` of each bit of ``acc`` to ``(1 + x) / 2`` or ``x / 2``, i.e. prepends that binary digit.
+    p16: uint32 [] in [0, 2**16]; words: uint32 [16, ...] -> uint32 [...].
+    """
+    acc = jnp.zeros(words.shape[1:], jnp.uint32)
+    for i in range(16):
+        acc = jnp.where(((p16 >> i) & 1) == 1, acc | words[i], acc & words[i])
+    return jnp.where(p16 >= 65536, jnp.uint32(0xFFFFFFFF), acc)
 
 
 def _carve_l_path(holes: chex.Array, start: chex.Array, goal: chex.Array) -> chex.Array:
@@ -176,35 +210,34 @@ def _uniform_index(word: chex.Array, n: int) -> chex.Array:
 def generate_map(seed: chex.Array, p: chex.Array, size: int, num_candidates: int):
     """RAGEN's random map: i.i.d. holes, distinct start and goal, a start→goal path.
 
-    ``p`` is resolved to 16 bits (a cell is frozen when a 16-bit field is below
-    ``round(p * 2**16)``), i.e. the frozen probability is within 8e-6 of ``p``.
+    All ``num_candidates`` candidate maps live side by side in one ``Bitboard``. ``p`` is resolved
+    to 16 bits (a cell is frozen with probability ``round(p * 2**16) / 2**16``, within 8e-6 of
+    ``p``).
 
     seed: uint32 [2] (``jax.random.bits(key, (2,), jnp.uint32)``).
     Returns ``(holes bool [size, size], start int32 [2], goal int32 [2])``.
     """
-    board = Bitboard(size)
-    cells = size * size
-    half = -(-cells // 2)
-    words = random_words(seed, (num_candidates, half + 2))             # uint32 [K, half + 2]
-    fields = (words[:, :half, None] >> jnp.asarray([0, 16], jnp.uint32)) & jnp.uint32(0xFFFF)
-    fields = fields.reshape(num_candidates, 2 * half)[:, :cells]      # uint32 [K, cells]
-    threshold = jnp.round(jnp.clip(p, 0.0, 1.0) * 65536.0).astype(jnp.uint32)
-    holes = fields >= threshold                                        # RAGEN: F w.p. p, else H
-    start = _uniform_index(words[:, half], cells)                      # int32 [K]
+    board = Bitboard(size, num_candidates)
+    cells, k = size * size, jnp.arange(num_candidates)
+    words = random_words(seed, (16 * board.num_words + 2 * num_candidates,))
+    p16 = jnp.round(jnp.clip(p, 0.0, 1.0) * 65536.0).astype(jnp.uint32)
+    frozen = bernoulli_words(p16, words[: 16 * board.num_words].reshape(16, board.num_words))
+    start = _uniform_index(words[-2 * num_candidates:-num_candidates], cells)       # int32 [K]
     # Goal uniform over the other cells: RAGEN redraws everything when start == goal, and that
     # event does not depend on the board, so conditioning on start != goal is exact.
-    goal = (start + 1 + _uniform_index(words[:, half + 1], cells - 1)) % cells
-    cell = jnp.arange(cells)
-    is_start, is_goal = cell == start[:, None], cell == goal[:, None]  # bool [K, cells]
-    holes = holes & ~is_start & ~is_goal                               # S and G overwrite the draw
+    goal = (start + 1 + _uniform_index(words[-num_candidates:], cells - 1)) % cells
+    start_bits, goal_bits = board.one_hot(k, start), board.one_hot(k, goal)
+    # S and G overwrite whatever was drawn there; cells past the last board stay 0.
+    free = [(frozen[w] & jnp.uint32(board.mask[w])) | s | g
+            for w, (s, g) in enumerate(zip(start_bits, goal_bits))]
+    reach = board.flood(free, start_bits)
+    valid = board.bit(reach, k, goal)                                                 # bool [K]
 
-    valid = board.connected(board.pack(~holes), board.pack(is_start), board.pack(is_goal))  # [K]
-    # The first valid candidate (candidate 0 when none is), selected by a one-hot mask rather
-    # than an index: gathers under vmap are slow on CPU, masked sums are plain vector ops.
-    first = jnp.arange(num_candidates) == jnp.argmax(valid)                # bool [K]
-    holes = jnp.any(holes & first[:, None], axis=0).reshape(size, size)
-    start = jnp.sum(jnp.where(first, start, 0))
-    goal = jnp.sum(jnp.where(first, goal, 0))
+    # The first valid candidate (candidate 0 when none is), picked with masks, not gathers.
+    first = jnp.argmax(valid).astype(jnp.int32)
+    holes = ~board.bit(free, first, jnp.arange(cells)).reshape(size, size)
+    pick = k == first
+    start, goal = jnp.sum(jnp.where(pick, start, 0)), jnp.sum(jnp.where(pick, goal, 0))
     start = jnp.stack([start // size, start % size]).astype(jnp.int32)
     goal = jnp.stack([goal // size, goal % size]).astype(jnp.int32)
     holes = jnp.where(jnp.any(valid), holes, _carve_l_path(holes, start, goal))

@@ -356,3 +356,21 @@ def test_bad_params_raise(kwargs, match):
         check_params(_params(**full))
     with pytest.raises(ValueError, match="observation_format"):
         env.render_text(_spec_example(), "ascii")
+
+
+def test_bernoulli_words_bit_frequencies():
+    """Bit-parallel Bernoulli: every bit position is 1 with probability p16 / 2**16 (3 sigma), the
+    bits of a word are uncorrelated, and the two ends are exact."""
+    from environments.frozen_lake import bernoulli_words
+
+    n = 4096
+    words = jax.random.bits(jax.random.PRNGKey(4), (16, n), jnp.uint32)
+    for p in (0.3, 0.9):
+        p16 = jnp.uint32(round(p * 65536))
+        out = np.asarray(bernoulli_words(p16, words))
+        bits = (out[:, None] >> np.arange(32, dtype=np.uint32)) & 1                   # [n, 32]
+        assert np.all(np.abs(bits.mean(axis=0) - p) <= 3 * np.sqrt(p * (1 - p) / n)), bits.mean(axis=0)
+        both = (bits[:, :-1] & bits[:, 1:]).mean()  # neighbouring bits: P(both) = p^2
+        assert abs(both - p * p) <= 3 * np.sqrt(p * p * (1 - p * p) / (n * 31)) * 2
+    assert not np.asarray(bernoulli_words(jnp.uint32(0), words)).any()
+    assert (np.asarray(bernoulli_words(jnp.uint32(65536), words)) == 0xFFFFFFFF).all()
