@@ -5,9 +5,15 @@ and a distinct random goal, and redraws the whole map until a start→goal path 
 rejection loop becomes a fixed amount of work: ``map_candidates`` i.i.d. candidate maps are drawn
 at once and the first one with a path (a flood fill of static length) is kept. The first accepted
 draw of an i.i.d. sequence has exactly the rejection loop's distribution, so the maps are RAGEN's
-maps. If every candidate fails (probability ``(1 - acceptance)^K``: ~1e-9 for 4×4 at ``p=0.9`` with
-the default ``K=8``), the first candidate gets an L-shaped path carved from start to goal, so every
-map is solvable; that event is the only place the distribution differs from the rejection loop.
+maps. If every candidate fails (probability ``(1 - acceptance)^K``; with the default ``K=4`` that is
+~7e-9 for 4×4 at RAGEN's ``p=0.9`` and ~7e-6 at ``p=0.8``; raise ``map_candidates`` for low ``p``),
+the first candidate gets an L-shaped path carved from start to goal, so every map is solvable; that
+event is the only place the distribution differs from the rejection loop. The candidates share one
+bitboard (``Bitboard``), so the path check costs a few integer ops per step of the flood fill.
+
+Randomness: ``reset`` turns the key into one threefry block, expanded by an integer hash into the
+~40 words a 4×4 map needs (``random_words``); holes are drawn bit-parallel from them
+(``bernoulli_words``), which resolves ``p`` to 16 bits (within 8e-6).
 
 Dynamics are Gymnasium's ``FrozenLake-v1`` with RAGEN's ``success_rate``: the intended move happens
 with probability ``success_rate`` and each perpendicular move with ``(1 - success_rate) / 2``;
@@ -37,10 +43,9 @@ DEFAULT_GRID_LOOKUP = {0: "P", 1: "_", 2: "O", 3: "G", 4: "X", 5: "√"}
 # What each code means; the legend pairs these with the configured symbols.
 CODE_MEANINGS = {0: "player", 1: "empty", 2: "hole", 3: "goal", 4: "player in hole", 5: "player on goal"}
 
-# Action index -> (d_row, d_col), Gymnasium's order: 0 Left, 1 Down, 2 Right, 3 Up. Slipping turns
-# direction d into (d - 1) % 4 or (d + 1) % 4, which are the two perpendicular moves.
+# Gymnasium's action order: 0 Left (0, -1), 1 Down (+1, 0), 2 Right (0, +1), 3 Up (-1, 0) as
+# (d_row, d_col). Slipping turns direction d into (d - 1) % 4 or (d + 1) % 4: the perpendiculars.
 ACTION_NAMES = ("Left", "Down", "Right", "Up")
-MOVES = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]], dtype=np.int32)
 
 
 @chex.dataclass(frozen=True)
@@ -89,7 +94,7 @@ def _lowbias32(x: chex.Array) -> chex.Array:
 def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
     """``uint32 [*shape]`` random words from ``seed`` (uint32 [2], one threefry draw).
 
-    A map needs ~40 random words per reset and ``step`` regenerates a map for every lane (the
+    A 4×4 map needs 40 random words per reset and ``step`` regenerates a map for every lane (the
     auto-reset selects, it does not branch). Threefry costs ~6x more per word than this hash on
     CPU, so one threefry block is drawn and expanded by hashing a counter with it twice, keyed by
     its two words. The words are still a pure function of the key.
@@ -273,8 +278,15 @@ class FrozenLake(Environment):
 
     Static (shapes / tables): ``size``, ``observation_format``, ``grid_lookup``, ``grid_vocab``,
     ``is_slippery``, ``map_candidates``. Traced: ``FrozenLakeParams(p, success_rate,
-    max_steps_in_episode)``. ``is_slippery=False`` makes every move the intended one whatever
-    ``success_rate`` says (Gymnasium's meaning of the flag).
+    max_steps_in_episode)``; ``default_params()`` gives RAGEN's class defaults ``p=0.9``,
+    ``success_rate=0.8`` and a cap of 100 steps (Gymnasium's 4×4 limit; RAGEN's agent loop stops
+    earlier through its own action budget). ``is_slippery=False`` makes every move the intended one
+    whatever ``success_rate`` says (Gymnasium's meaning of the flag).
+
+    Actions: 0 Left, 1 Down, 2 Right, 3 Up (RAGEN's ids 1..4 minus one); anything else is an
+    invalid action that leaves the state unchanged. ``info``: ``action_is_valid``,
+    ``action_is_effective`` (the player moved), ``success`` (the player is on the goal).
+    ``terminated`` on the goal or a hole; ``truncated`` when the step cap is reached first.
     """
 
     name = "frozen_lake"
@@ -358,7 +370,7 @@ class FrozenLake(Environment):
         else:
             direction = intended
         was_terminal = self._on_hole(state, state.pos) | self._on_goal(state, state.pos)
-        # MOVES[direction] written as selects (a gather per lane is slow under vmap on CPU).
+        # The move of ``direction`` as selects (a table gather per lane is slow under vmap on CPU).
         d_row = jnp.where(direction == 1, 1, jnp.where(direction == 3, -1, 0))
         d_col = jnp.where(direction == 2, 1, jnp.where(direction == 0, -1, 0))
         moved = jnp.clip(state.pos + jnp.stack([d_row, d_col]), 0, self.size - 1)

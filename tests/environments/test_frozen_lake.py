@@ -374,3 +374,17 @@ def test_bernoulli_words_bit_frequencies():
         assert abs(both - p * p) <= 3 * np.sqrt(p * p * (1 - p * p) / (n * 31)) * 2
     assert not np.asarray(bernoulli_words(jnp.uint32(0), words)).any()
     assert (np.asarray(bernoulli_words(jnp.uint32(65536), words)) == 0xFFFFFFFF).all()
+
+
+@pytest.mark.parametrize("size", [2, 3, 6])
+def test_other_sizes_have_paths_and_render(size):
+    """Odd layouts of the bitboard (several boards per word, rows split across words)."""
+    env = FrozenLake(size=size, map_candidates=3)
+    params = env.default_params(p=0.6)
+    _, s = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(jax.random.split(jax.random.PRNGKey(size), 128), params)
+    pieces, lengths = jax.jit(jax.vmap(lambda st: env.render_pieces(st, params, "grid_coord")))(s)
+    for i in range(128):
+        desc = _desc(s, i)
+        assert ref.reachable(desc)
+        assert render.join(env.piece_table, np.asarray(pieces)[i], lengths[i]) == ref.render(
+            desc, np.asarray(s.pos)[i], "grid_coord")
