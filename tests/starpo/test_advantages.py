@@ -216,3 +216,40 @@ def test_errors_name_the_problem():
         adv_lib.compute_advantages("bilevel_gae", r, r, m, group_size=2)
     with pytest.raises(ValueError, match="Unknown reward normalization 'zscore'"):
         adv_lib.normalize_scores(r[:, 0], method="zscore", group_size=2)
+
+
+def test_rewards_off_the_loss_mask_are_ignored_by_gae():
+    rng = np.random.default_rng(17)
+    r, v, m, tid = make_batch(rng)
+    stray = np.where(~m & (rng.random(m.shape) < 0.3), rng.normal(size=m.shape), 0.0)
+    for fn, extra in ((adv_lib.gae, {}), (adv_lib.bilevel_gae, {"turn_ids": jnp.asarray(tid)})):
+        a0, _ = fn(*to_jnp(r, v, m), **extra)
+        a1, _ = fn(*to_jnp(r + stray, v, m), **extra)
+        np.testing.assert_allclose(a1, a0, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "bilevel_gae", "grpo", "drgrpo"])
+def test_empty_mask_gives_finite_zeros(estimator):
+    """A batch the filter emptied (mask all False) must not produce NaN/inf anywhere."""
+    r = jnp.ones((4, 6))
+    m = jnp.zeros((4, 6), bool)
+    tid = jnp.zeros((4, 6), jnp.int32)
+    a, ret = adv_lib.compute_advantages(estimator, r, r, m, tid, group_size=2, whiten=True,
+                                        grpo_length_weight=estimator.startswith(("grpo", "dr")))
+    assert np.all(np.asarray(a) == 0) and np.all(np.asarray(ret) == 0)
+
+
+def test_registry_behaviour():
+    from ragen_jax.starpo.registry import Registry
+
+    reg = Registry("widget")
+    reg.register("a", "alias_a")(len)
+    reg.add("b", max)
+    assert reg.names() == ("a", "alias_a", "b") and "alias_a" in reg and reg.get("alias_a") is len
+    assert reg.validate("b") == "b" and len(reg) == 3
+    with pytest.raises(ValueError, match="widget 'a' is already registered"):
+        reg.add("a", min)
+    with pytest.raises(ValueError, match=r"Unknown widget 'c'. Allowed values: 'a', 'alias_a', 'b'"):
+        reg.get("c")
+    with pytest.raises(ValueError, match="Unknown widget"):
+        reg.get(["unhashable"])
