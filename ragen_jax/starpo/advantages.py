@@ -339,10 +339,42 @@ def drgrpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma
     return _grpo_like(token_rewards, loss_mask, group_size, scale_by_std=False)
 
 
+def rloo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
+         high_level_gamma=0.95):
+    """RLOO: each episode's baseline is the mean score of the *other* members of its group.
+
+    ``A_i = s_i - mean_{j != i} s_j = (s_i - mean_g) * K / (K - 1)`` for groups of ``K > 1``; a group
+    of one has no other member, so its baseline is 0 (``A_i = s_i``). Broadcast over ``m``;
+    returns = advantages. No critic.
+    """
+    del values, turn_ids, gamma, lam, high_level_gamma
+    scores = episode_scores(token_rewards)
+    if group_size == 1:
+        per_row = scores
+    else:
+        g = group_view(scores, group_size)
+        per_row = ((g - jnp.mean(g, axis=1, keepdims=True)) * (group_size / (group_size - 1))).reshape(-1)
+    adv = per_row[:, None] * loss_mask.astype(scores.dtype)
+    return adv, adv
+
+
+def soft_advantage_weights(scores: Array, group_size: int) -> Array:
+    """Per-row weights of the GRPO soft advantage reweighting (spec §5.3.1): ``w_g = std_g / (max_g std_g + 1e-6)``.
+
+    ``std_g`` is the unbiased std of the group's episode scores (1.0 for groups of one, as in the
+    original). Multiply the advantages by ``weights[:, None]``: groups whose outcomes barely differ
+    contribute little. Returns float ``[B]``.
+    """
+    _, std = group_mean_std(scores, group_size)
+    w = std / (jnp.max(std) + SCORE_STD_EPS)
+    return jnp.repeat(w, group_size)
+
+
 ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimator(gae, uses_critic=True, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("bilevel_gae", AdvantageEstimator(bilevel_gae, uses_critic=True, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False))
 ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimator(rloo, uses_critic=False, whiten_default=False))
 
 
 def length_weight(advantages: Array, loss_mask: Array) -> Array:
@@ -373,7 +405,7 @@ def compute_advantages(
     """Runs a registered estimator, then the optional batch whitening and GRPO length weighting.
 
     Args:
-      estimator: name in ``ADVANTAGE_ESTIMATORS`` (``gae``, ``bilevel_gae``, ``grpo``, ``drgrpo``).
+      estimator: name in ``ADVANTAGE_ESTIMATORS`` (``gae``, ``bilevel_gae``, ``grpo``, ``drgrpo``, ``rloo``).
       token_rewards: float ``[B, L]`` turn rewards at each turn's last sampled token (see module doc).
       values: float ``[B, L]`` ``V(tokens[:t])`` (``align_to_targets`` of the value head); ``None``
         is allowed for critic-free estimators.

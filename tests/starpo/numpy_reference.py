@@ -359,3 +359,21 @@ def filter_metrics(per_row, group_size, weights, source):
     out["rollout/filter_kept_count"] = kept
     out["rollout/filter_kept_ratio"] = kept / len(groups)
     return out
+
+
+def rloo(rewards, mask, group_size):
+    """Leave-one-out baseline, literally: mean over the other members of the group."""
+    scores = [float(sum(rewards[b])) for b in range(rewards.shape[0])]
+    out = []
+    for g in groups_of(scores, group_size):
+        for i, s in enumerate(g):
+            others = g[:i] + g[i + 1:]
+            out.append(s - (mean(others) if others else 0.0))
+    adv = np.array(out)[:, None] * mask
+    return adv, adv.copy()
+
+
+def soft_advantage_weights(scores, group_size):
+    stds = [1.0 if len(g) == 1 else std_unbiased(g) for g in groups_of(scores, group_size)]
+    top = max(stds)
+    return np.repeat([s / (top + 1e-6) for s in stds], group_size)
