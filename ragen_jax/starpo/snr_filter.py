@@ -108,12 +108,12 @@ def _top_p_linear(scores, eligible, value, largest, eps):
     _, s, elig, rank = _sort_eligible(scores, eligible, largest)
     threshold = value * jnp.sum(jnp.where(eligible, scores, 0.0)) - eps
     s = jnp.where(elig, s, 0.0)
-    cum_after = jnp.cumsum(s)
-    cum_before = cum_after - s
-    stop = (cum_before >= threshold) | (s <= 0) | ~elig
+    # prefix[i] = sum of the first i sorted scores: the running total before visiting item i.
+    prefix = jnp.concatenate([jnp.zeros((1,), s.dtype), jnp.cumsum(s)])
+    stop = (prefix[:-1] >= threshold) | (s <= 0) | ~elig
     idx = jnp.arange(g)
     walked = jnp.min(jnp.where(stop, idx, g))  # number of groups added before stopping
-    cum = jnp.sum(jnp.where(idx < walked, s, 0.0))
+    cum = prefix[walked]
     keep_sorted = (idx < walked) & (cum >= threshold)
     return keep_sorted[rank].astype(jnp.float32)
 
@@ -178,7 +178,7 @@ def min_p(scores, eligible, *, value, largest=True, top_p_mode="linear", selecti
 
 @FILTER_STRATEGIES.register("weighted")
 def weighted(scores, eligible, *, value=1.0, largest=True, top_p_mode="linear", selection_eps=0.01):
-    """Soft mode: no eligible group is dropped; weights are proportional to the score.
+    """Soft mode: instead of a hard cut, every eligible group is weighted in proportion to its score.
 
     largest: ``raw_g = max(score_g, 0)``; smallest: ``raw_g = max_eligible(score) - score_g``.
     ``w_g = raw_g * n_eligible / sum(raw)`` so the weights average 1 over the eligible groups;
