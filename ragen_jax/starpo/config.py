@@ -50,9 +50,13 @@ class StarPOConfig:
     """The update step: advantages, PPO loss, optimisation (spec §5.2–§5.6).
 
     Advantages: ``adv_estimator`` (registry ``ADVANTAGE_ESTIMATORS``: gae, bilevel_gae, grpo, drgrpo);
-      ``norm_adv_by_std=False`` with ``grpo`` is Dr. GRPO (the original's ``norm_adv_by_std_in_grpo``);
+      ``norm_adv_by_std=False`` with ``grpo`` is Dr. GRPO (the original's ``norm_adv_by_std_in_grpo``;
+      it only affects ``grpo``);
       ``whiten`` None = the estimator's default (GAE family whitened, GRPO family not);
-      ``reward_norm`` / ``reward_norm_grouping`` normalise episode scores before the estimator;
+      ``reward_norm`` / ``reward_norm_grouping`` normalise episode scores before the estimator, and
+      the (normalised) episode score is credited at the last sampled token (the original's default);
+      ``use_turn_scores=True`` instead keeps each turn's reward at that turn's last token (format
+      penalties included), which needs ``reward_norm='identity'``;
       ``length_weighting``: GRPO length weight (§5.3.3).
     Loss: ``policy_loss`` (registry ``POLICY_LOSSES``), PPO clip ``clip_ratio_low/high`` and dual clip
       ``clip_ratio_c``; ``entropy_coeff``; KL as a loss term (``use_kl_loss``, ``kl_coef``, ``kl_type``)
@@ -80,6 +84,7 @@ class StarPOConfig:
     whiten: Optional[bool] = None
     reward_norm: str = "identity"
     reward_norm_grouping: str = "state"
+    use_turn_scores: bool = False
     length_weighting: bool = False
     policy_loss: str = "ppo"
     clip_ratio_low: float = 0.2
@@ -165,9 +170,9 @@ class StarPOConfig:
             "would train one for nothing; set critic='auto' or 'none'.",
         )
         _check(
-            not self.norm_adv_by_std or self.adv_estimator != "drgrpo",
-            f"{s}.adv_estimator='drgrpo' never scales by the std; leave norm_adv_by_std=True or use 'grpo' "
-            "with norm_adv_by_std=False.",
+            not self.use_turn_scores or self.reward_norm == "identity",
+            f"{s}.use_turn_scores=True keeps per-turn rewards, which episode-score normalisation "
+            f"cannot rescale; set {s}.reward_norm='identity' or use_turn_scores=False.",
         )
 
     @property

@@ -1,0 +1,537 @@
+"""The StarPO update step: one jitted function from a ``Trajectory`` batch to new parameters + metrics.
+
+    graphdefs, state = init_train_state(policy, starpo_cfg, key=key, critic=critic)
+    update = make_update_step(graphdefs, starpo_cfg, filter_cfg, collapse_cfg, group_size=16)
+    state, metrics = update(state, trajectory)           # or update(state, trajectory, key)
+
+Inside that one compiled function, top to bottom (spec §5.1):
+
+  1. old log-probs of the sampled tokens under the current policy (temperature 1, recomputed, compared
+     with the sampler's), reference log-probs when a KL term is used, critic values;
+  2. collapse diagnostics (MI proxy) on the pre-filter batch, under ``lax.cond`` on the step counter;
+  3. SNR filter: a weight per group, repeated over its rows (0 = dropped; nothing is gathered out);
+  4. episode scores → reward normalisation → (optional KL-in-reward) → advantages and returns;
+  5. ``ppo_epochs`` × mini-batches (``lax.scan``), each an optimizer step whose gradient is
+     accumulated over micro-batches (``lax.scan``) from (numerator, denominator) losses, so
+     token-mean stays exact under accumulation: clipped policy loss − entropy bonus + KL loss, and the
+     clipped value loss on the critic;
+  6. global-norm clipping → AdamW with linear warm-up; a non-finite gradient, a mini-batch with no
+     kept token, or a batch the filter emptied leaves parameters and optimizer state untouched and is
+     counted;
+  7. metrics.
+
+Models are used functionally: ``nnx.split`` outside, ``nnx.merge(graphdef, params, rest)`` inside.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from ragen_jax.rollout.trajectory import Trajectory
+from ragen_jax.starpo import advantages as adv_lib
+from ragen_jax.starpo import collapse as collapse_lib
+from ragen_jax.starpo import losses
+from ragen_jax.starpo import snr_filter
+from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.starpo.logprobs import positions_for, sequence_logprobs
+
+PyTree = Any
+
+
+class Graphdefs(NamedTuple):
+    """Static halves of the models (``nnx.split``); the array halves live in ``TrainState``."""
+
+    policy: Any
+    critic: Any  # None | a ValueHead (shared trunk) | a Critic (own trunk)
+    reference: Any  # None | the reference Decoder (same class as the policy)
+
+
+@struct.dataclass
+class TrainState:
+    params: PyTree  # policy nnx.Param state
+    opt_state: PyTree
+    critic_params: PyTree  # None without a critic
+    critic_opt_state: PyTree
+    ref_params: PyTree  # None unless a KL term needs reference log-probs
+    rest: PyTree  # non-Param state of (policy, critic, reference), carried unchanged
+    step: jax.Array  # int32 [] update calls so far
+    optimizer_steps: jax.Array  # int32 [] actor optimizer steps actually applied (drives the warm-up)
+    critic_optimizer_steps: jax.Array  # int32 []
+    key: jax.Array  # PRNG key, advanced on every call that is not given one
+    collapse: collapse_lib.CollapseState
+    consecutive_empty: jax.Array  # int32 [] consecutive updates the SNR filter left empty
+    num_empty_skipped: jax.Array  # int32 [] updates skipped because the filter kept nothing
+    num_nonfinite_skipped: jax.Array  # int32 [] optimizer steps skipped for a non-finite gradient
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer and state
+
+
+def learning_rate_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
+    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps (first step lr/warmup), then constant."""
+    if warmup_steps <= 1:
+        return optax.constant_schedule(lr)
+    return optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1)
+
+
+def make_optimizer(lr: float, cfg: StarPOConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (decoupled weight decay on every parameter, as torch's AdamW)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(
+            learning_rate_schedule(lr, cfg.warmup_steps),
+            b1=cfg.adam_b1,
+            b2=cfg.adam_b2,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        ),
+    )
+
+
+def init_train_state(
+    policy: nnx.Module,
+    cfg: StarPOConfig,
+    *,
+    key: jax.Array,
+    critic: Optional[nnx.Module] = None,
+    reference: Optional[nnx.Module] = None,
+) -> tuple[Graphdefs, TrainState]:
+    """Splits the models and builds the optimizer states.
+
+    Args:
+      policy: the Decoder being trained.
+      critic: ``critic_mode='shared'``: a ``ValueHead`` read on the policy's hidden states;
+        ``'separate'``: a ``Critic`` (own trunk + head); ``'none'``: must be None.
+      reference: the frozen model of the KL terms; None = a copy of the policy as it is now.
+      key: PRNG key of the pair sampling / shuffling.
+    """
+    mode = cfg.critic_mode
+    if mode == "none" and critic is not None:
+        raise ValueError(f"starpo.critic resolves to 'none' for adv_estimator={cfg.adv_estimator!r}, but a "
+                         "critic module was given; drop it or pick an estimator that uses one (gae).")
+    if mode != "none" and critic is None:
+        kind = "models.ValueHead(cfg, rngs=...)" if mode == "shared" else "models.Critic(cfg, rngs=...)"
+        raise ValueError(f"starpo.critic={mode!r} needs a critic module: pass critic={kind}.")
+    if mode == "shared" and not hasattr(critic, "score"):
+        raise ValueError("starpo.critic='shared' reads a value head on the policy's hidden states: pass a "
+                         f"models.ValueHead, not a {type(critic).__name__}.")
+    if mode == "separate" and not hasattr(critic, "trunk"):
+        raise ValueError("starpo.critic='separate' needs its own trunk: pass a models.Critic, not a "
+                         f"{type(critic).__name__}.")
+
+    policy_gd, params, policy_rest = nnx.split(policy, nnx.Param, ...)
+    critic_gd = critic_params = critic_rest = critic_opt = None
+    if critic is not None:
+        critic_gd, critic_params, critic_rest = nnx.split(critic, nnx.Param, ...)
+        critic_opt = make_optimizer(cfg.critic_lr, cfg).init(critic_params)
+    ref_gd = ref_params = ref_rest = None
+    if cfg.uses_reference:
+        if reference is None:
+            ref_gd, ref_params, ref_rest = policy_gd, jax.tree.map(jnp.copy, params), policy_rest
+        else:
+            ref_gd, ref_params, ref_rest = nnx.split(reference, nnx.Param, ...)
+    zero = jnp.zeros((), jnp.int32)
+    state = TrainState(
+        params=params,
+        opt_state=make_optimizer(cfg.actor_lr, cfg).init(params),
+        critic_params=critic_params,
+        critic_opt_state=critic_opt,
+        ref_params=ref_params,
+        rest=(policy_rest, critic_rest, ref_rest),
+        step=zero,
+        optimizer_steps=zero,
+        critic_optimizer_steps=zero,
+        key=key,
+        collapse=collapse_lib.init_collapse_state(),
+        consecutive_empty=zero,
+        num_empty_skipped=zero,
+        num_nonfinite_skipped=zero,
+    )
+    # Every leaf gets its own buffer (shared zeros would break buffer donation in the update).
+    state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+    return Graphdefs(policy_gd, critic_gd, ref_gd), state
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _rows_in_chunks(fn, arrays: dict, rows_per_chunk: int) -> dict:
+    """Applies ``fn`` (dict of [m, ...] -> dict of [m, ...]) to ``rows_per_chunk`` rows at a time."""
+    batch = jax.tree.leaves(arrays)[0].shape[0]
+    n = batch // rows_per_chunk
+    chunked = jax.tree.map(lambda x: x.reshape((n, rows_per_chunk) + x.shape[1:]), arrays)
+    out = jax.lax.map(fn, chunked)
+    return jax.tree.map(lambda x: x.reshape((batch,) + x.shape[2:]), out)
+
+
+def _masked_stats(x: jax.Array, mask: jax.Array, prefix: str) -> dict:
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mean = jnp.sum(x * m) / n
+    has = jnp.sum(m) > 0
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": jnp.sqrt(jnp.sum(jnp.square(x - mean) * m) / n),
+        f"{prefix}/max": jnp.where(has, jnp.max(jnp.where(mask, x, -jnp.inf)), 0.0),
+        f"{prefix}/min": jnp.where(has, jnp.min(jnp.where(mask, x, jnp.inf)), 0.0),
+    }
+
+
+def _select(pred: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _all_finite(tree: PyTree) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.ones((), bool)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The update step
+
+
+def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig):
+    """Returns ``(loss_fn, critic_values)``.
+
+    ``loss_fn(params, critic_params, rest, mb, den, value_den) -> (loss, aux)`` is one micro-batch's
+    share of the mini-batch objective: the numerators of (clipped policy loss − entropy_coeff ·
+    entropy + kl_coef · KL) divided by the mini-batch denominator ``den``, plus the clipped value loss
+    numerator over ``value_den`` (token-mean). Summing its gradients over the micro-batches of a
+    mini-batch gives exactly the gradient of the mini-batch aggregate. ``mb`` holds ``tokens``,
+    ``loss_mask``, ``row_weights``, ``old_logp``, ``advantages`` (+ ``ref_logp`` with a KL loss,
+    ``old_values`` and ``returns`` with a critic), all ``[m, ...]``.
+    """
+    mode = cfg.critic_mode
+    chunk = cfg.logprob_chunk_size
+    policy_hparams = dict(clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                          clip_ratio_c=cfg.clip_ratio_c)
+
+    def critic_values(critic_params, critic_rest, tokens, policy_hidden):
+        """Values ``V(tokens[:t])`` [B, L] aligned to targets (the value head read at t - 1)."""
+        critic = nnx.merge(graphdefs.critic, critic_params, critic_rest)
+        if mode == "shared":
+            # The value loss trains the head only; the policy's trunk sees the policy loss alone.
+            raw = critic(jax.lax.stop_gradient(policy_hidden))
+        else:
+            raw, _ = critic(tokens, positions_for(tokens))
+        return adv_lib.align_to_targets(raw.astype(jnp.float32))
+
+    def micro_loss(params, critic_params, rest, mb, den, value_den):
+        """Loss of one micro-batch as its share of the mini-batch aggregate: numerator / (mini-batch den)."""
+        policy = nnx.merge(graphdefs.policy, params, rest[0])
+        logp, entropy, hidden = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk)
+        mask, row_w = mb["loss_mask"], mb["row_weights"]
+        pg, pg_metrics = losses.policy_loss(cfg.policy_loss, logp, mb["old_logp"], mb["advantages"], mask,
+                                            **policy_hparams)
+        pg_num, _ = losses.aggregate(pg, mask, cfg.loss_agg_mode, row_w)
+        ent_num, _ = losses.aggregate(entropy, mask, cfg.loss_agg_mode, row_w)
+        actor_num = pg_num - cfg.entropy_coeff * ent_num
+        aux = {"pg_num": pg_num, "entropy_num": ent_num}
+        if cfg.use_kl_loss:
+            kl = losses.kl_penalty(cfg.kl_type, logp, mb["ref_logp"])
+            kl_num, _ = losses.aggregate(kl, mask, cfg.loss_agg_mode, row_w)
+            actor_num = actor_num + cfg.kl_coef * kl_num
+            aux["kl_num"] = kl_num
+        loss = _safe_div(actor_num, den)
+        # Token-weighted sums of the per-token metrics, divided by the token count after accumulation.
+        n_tok = jnp.sum(mask.astype(jnp.float32))
+        for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            aux[name] = pg_metrics[name] * n_tok
+        aux["n_tokens"] = n_tok
+        if mode != "none":
+            values = critic_values(critic_params, rest[1], mb["tokens"], hidden)
+            vl, v_metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mask,
+                                              cliprange_value=cfg.cliprange_value)
+            v_num, _ = losses.aggregate(vl, mask, "token-mean", row_w)
+            loss = loss + _safe_div(v_num, value_den)
+            aux["vf_num"] = v_num
+            aux["vf_clipfrac"] = v_metrics["vf_clipfrac"] * n_tok
+            aux["vpred_mean"] = v_metrics["vpred_mean"] * n_tok
+        return loss, aux
+
+    return micro_loss, critic_values
+
+
+def make_update_step(
+    graphdefs: Graphdefs,
+    cfg: StarPOConfig,
+    filter_cfg: FilterConfig,
+    collapse_cfg: CollapseConfig,
+    *,
+    group_size: int,
+    jit: bool = True,
+    donate: bool = True,
+):
+    """Builds ``update(train_state, trajectory, key=None) -> (train_state, metrics)``.
+
+    Args:
+      graphdefs: from ``init_train_state``.
+      group_size: rows per env group; rows form contiguous groups (``Trajectory`` layout).
+      jit: return the ``jax.jit``-compiled function (False: the plain traceable function).
+      donate: donate the incoming train state's buffers to the result (halves peak memory; the
+        caller must not reuse the state it passed in).
+    The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
+    drives pair sampling and shuffling; without it the state's key is split and advanced.
+    """
+    mode = cfg.critic_mode
+    if (mode == "none") != (graphdefs.critic is None):
+        raise ValueError(f"starpo.critic resolves to {mode!r} but the train state was built "
+                         f"{'without' if graphdefs.critic is None else 'with'} a critic; rebuild it with "
+                         "init_train_state using the same StarPOConfig.")
+    if cfg.uses_reference and graphdefs.reference is None:
+        raise ValueError("a KL term needs reference parameters; build the train state with "
+                         "init_train_state using the same StarPOConfig.")
+    actor_tx = make_optimizer(cfg.actor_lr, cfg)
+    critic_tx = make_optimizer(cfg.critic_lr, cfg)
+    actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps)
+    chunk = cfg.logprob_chunk_size
+
+    micro_loss, critic_values = make_loss_fn(graphdefs, cfg)
+    grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
+
+    # --- one optimizer step ----------------------------------------------------------------------------
+
+    def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array):
+        params, opt_state, c_params, c_opt, counts = carry
+        mask, row_w = mb["loss_mask"], mb["row_weights"]
+        den = losses.loss_denominator(mask, cfg.loss_agg_mode, row_w)
+        value_den = losses.loss_denominator(mask, "token-mean", row_w)
+        micro = jax.tree.map(lambda x: x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:]), mb)
+
+        def accumulate(acc, md):
+            (_, aux), grads = grad_fn(params, c_params, rest, md, den, value_den)
+            return jax.tree.map(jnp.add, acc, (grads, aux)), None
+
+        zero_aux = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype),
+            jax.eval_shape(lambda md: grad_fn(params, c_params, rest, md, den, value_den)[0][1],
+                           jax.tree.map(lambda x: x[0], micro)),
+        )
+        zero_grads = jax.tree.map(jnp.zeros_like, (params, c_params))
+        ((grads, c_grads), aux), _ = jax.lax.scan(accumulate, (zero_grads, zero_aux), micro)
+
+        has_tokens = (den > 0) & ~skip
+        grad_norm = optax.global_norm(grads)
+        finite = _all_finite(grads)
+        apply = has_tokens & finite
+        updates, new_opt = actor_tx.update(grads, opt_state, params)
+        params = _select(apply, optax.apply_updates(params, updates), params)
+        opt_state = _select(apply, new_opt, opt_state)
+        nonfinite = has_tokens & ~finite
+        metrics = {
+            "actor/pg_loss": _safe_div(aux["pg_num"], den),
+            "actor/entropy_loss": _safe_div(aux["entropy_num"], den),
+            "actor/grad_norm": jnp.where(finite, grad_norm, 0.0),
+            "actor/pg_clipfrac": _safe_div(aux["pg_clipfrac"], aux["n_tokens"]),
+            "actor/pg_clipfrac_lower": _safe_div(aux["pg_clipfrac_lower"], aux["n_tokens"]),
+            "actor/ppo_kl": _safe_div(aux["ppo_kl"], aux["n_tokens"]),
+        }
+        if cfg.use_kl_loss:
+            metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
+        c_apply = jnp.zeros((), bool)
+        if mode != "none":
+            c_grad_norm = optax.global_norm(c_grads)
+            c_finite = _all_finite(c_grads)
+            c_apply = has_tokens & c_finite
+            c_updates, new_c_opt = critic_tx.update(c_grads, c_opt, c_params)
+            c_params = _select(c_apply, optax.apply_updates(c_params, c_updates), c_params)
+            c_opt = _select(c_apply, new_c_opt, c_opt)
+            nonfinite = nonfinite | (has_tokens & ~c_finite)
+            metrics.update({
+                "critic/vf_loss": _safe_div(aux["vf_num"], value_den),
+                "critic/vf_clipfrac": _safe_div(aux["vf_clipfrac"], aux["n_tokens"]),
+                "critic/vpred_mean": _safe_div(aux["vpred_mean"], aux["n_tokens"]),
+                "critic/grad_norm": jnp.where(c_finite, c_grad_norm, 0.0),
+            })
+        # Metrics of a step that did not run must not leak NaN/inf into the averages.
+        metrics = {k: jnp.where(apply, v, 0.0) for k, v in metrics.items()}
+        counts = {
+            "applied": counts["applied"] + apply.astype(jnp.int32),
+            "critic_applied": counts["critic_applied"] + c_apply.astype(jnp.int32),
+            "nonfinite": counts["nonfinite"] + nonfinite.astype(jnp.int32),
+        }
+        return (params, opt_state, c_params, c_opt, counts), (metrics, apply)
+
+    # --- the whole update ------------------------------------------------------------------------------
+
+    def update(state: TrainState, traj: Trajectory, key: Optional[jax.Array] = None):
+        batch, _ = traj.tokens.shape
+        if batch % group_size:
+            raise ValueError(f"Trajectory batch of {batch} rows is not a whole number of groups of "
+                             f"group_size={group_size}.")
+        num_groups = batch // group_size
+        num_mini, mini_size = cfg.mini_batch_layout(batch)
+        num_micro, micro_size = cfg.micro_batch_layout(mini_size)
+        if key is None:
+            next_key, key = jax.random.split(state.key)
+        else:
+            next_key = state.key
+        key_collapse, key_shuffle = jax.random.split(key)
+        policy_rest, critic_rest, ref_rest = state.rest
+        loss_mask = traj.loss_mask.astype(bool)
+
+        # 1. Old log-probs (temperature 1), reference log-probs, critic values — no gradient.
+        def score_rows(rows):
+            policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
+            logp, entropy, hidden = sequence_logprobs(policy, rows["tokens"], chunk_size=chunk)
+            out = {"logp": logp, "entropy": entropy}
+            if cfg.uses_reference:
+                ref = nnx.merge(graphdefs.reference, state.ref_params, ref_rest)
+                out["ref_logp"], _, _ = sequence_logprobs(ref, rows["tokens"], chunk_size=chunk,
+                                                          with_entropy=False)
+            if mode != "none":
+                out["values"] = critic_values(state.critic_params, critic_rest, rows["tokens"], hidden)
+            return out
+
+        old = jax.lax.stop_gradient(_rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size))
+        metrics = {}
+        sampled = loss_mask & traj.valid_mask
+        diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
+        metrics["actor/sampler_logprob_abs_diff_mean"] = adv_lib.masked_mean(diff, sampled)
+        metrics["actor/sampler_logprob_abs_diff_max"] = jnp.max(jnp.where(sampled, diff, 0.0))
+        metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], loss_mask, cfg.loss_agg_mode)
+        if cfg.uses_reference:
+            metrics["actor/ref_kl"] = adv_lib.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
+
+        # 2. Collapse diagnostics on the pre-filter batch, scored by the policy before this update.
+        def policy_logprob_fn(tokens):
+            policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
+            return sequence_logprobs(policy, tokens, chunk_size=chunk, with_entropy=False)[0]
+
+        c_metrics, collapse_state = collapse_lib.maybe_collapse_metrics(
+            policy_logprob_fn, traj, state.collapse, key_collapse, state.step, collapse_cfg,
+            num_groups=num_groups)
+        metrics.update(c_metrics)
+
+        # 3. SNR filter over groups (on the raw episode scores: normalised scores would have equal spread).
+        scores = adv_lib.episode_scores(traj.token_rewards)
+        filt = snr_filter.rollout_filter(
+            group_size=group_size,
+            episode_scores=scores,
+            response_lengths=traj.response_length,
+            row_entropy=snr_filter.row_mean_entropy(old["entropy"], loss_mask),
+            metric=filter_cfg.metric,
+            strategy=filter_cfg.strategy,
+            value=filter_cfg.value,
+            filter_type=filter_cfg.filter_type,
+            include_zero=filter_cfg.include_zero,
+            top_p_mode=filter_cfg.top_p_mode,
+            selection_eps=filter_cfg.eps,
+        )
+        metrics.update(filt.metrics)
+        row_w = filt.row_weights
+        kept = row_w > 0
+        train_mask = loss_mask & kept[:, None]
+        empty = filt.is_empty
+
+        # 4. Rewards and advantages.
+        norm_scores = adv_lib.normalize_scores(scores, method=cfg.reward_norm, group_size=group_size,
+                                               grouping=cfg.reward_norm_grouping)
+        if cfg.use_turn_scores:
+            token_rewards = traj.token_rewards.astype(jnp.float32)
+        else:
+            token_rewards = adv_lib.place_at_last_token(norm_scores.astype(jnp.float32), loss_mask)
+        if cfg.kl_in_reward:
+            token_rewards, current_kl = losses.apply_kl_in_reward(
+                token_rewards, old["logp"], old["ref_logp"], loss_mask, beta=cfg.kl_in_reward_coef,
+                estimator=cfg.kl_type)
+            metrics["actor/reward_kl_penalty"] = current_kl
+        values = old.get("values")
+        advantages, returns = adv_lib.compute_advantages(
+            cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
+            gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
+            grpo_length_weight=cfg.length_weighting)
+        advantages = advantages * snr_filter.filter_loss_scale(filter_cfg.loss_scaling, filt.kept_ratio)
+        metrics.update(_masked_stats(advantages, train_mask, "critic/advantages"))
+        metrics.update(_masked_stats(returns, train_mask, "critic/returns"))
+        metrics.update(_masked_stats(norm_scores, kept, "critic/score"))
+        if values is not None:
+            metrics.update(_masked_stats(values, train_mask, "critic/values"))
+
+        # 5.–6. PPO epochs × mini-batches × micro-batches.
+        data = {
+            "tokens": traj.tokens,
+            "loss_mask": train_mask,
+            "row_weights": row_w,
+            "old_logp": old["logp"],
+            "advantages": advantages,
+        }
+        if cfg.use_kl_loss:
+            data["ref_logp"] = old["ref_logp"]
+        if mode != "none":
+            data["old_values"] = values
+            data["returns"] = returns
+
+        def epoch(carry, epoch_key):
+            # Kept rows first (in order, or shuffled among themselves), so dropped rows fill the last
+            # mini-batches, which then have no token and are skipped — the optimizer-step count follows
+            # the kept batch as in the original, without any shape change.
+            tie = jax.random.uniform(epoch_key, (batch,)) if cfg.shuffle else jnp.arange(batch) / batch
+            order = jnp.argsort(jnp.where(kept, 0.0, 2.0) + tie)
+            batches = jax.tree.map(lambda x: x[order].reshape((num_mini, mini_size) + x.shape[1:]), data)
+            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=empty)
+            return jax.lax.scan(step, carry, batches)
+
+        counts0 = {k: jnp.zeros((), jnp.int32) for k in ("applied", "critic_applied", "nonfinite")}
+        carry0 = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, counts0)
+        epoch_keys = jax.random.split(key_shuffle, cfg.ppo_epochs)
+        (params, opt_state, c_params, c_opt, counts), (step_metrics, applied) = jax.lax.scan(
+            epoch, carry0, epoch_keys)
+        n_applied = jnp.sum(applied)
+        for name, per_step in step_metrics.items():
+            metrics[name] = _safe_div(jnp.sum(per_step), n_applied.astype(jnp.float32))
+
+        # 7. Counters, early-stop signal and the rest of the metrics.
+        consecutive_empty = jnp.where(empty, state.consecutive_empty + 1, 0)
+        num_empty = state.num_empty_skipped + empty.astype(jnp.int32)
+        num_nonfinite = state.num_nonfinite_skipped + counts["nonfinite"]
+        optimizer_steps = state.optimizer_steps + counts["applied"]
+        metrics.update({
+            "actor/lr": jnp.asarray(actor_lr(optimizer_steps), jnp.float32),
+            "train/optimizer_steps": counts["applied"].astype(jnp.float32),
+            "train/num_mini_batches": jnp.float32(num_mini * cfg.ppo_epochs),
+            "train/nonfinite_grad_skipped": counts["nonfinite"].astype(jnp.float32),
+            "train/nonfinite_grad_skipped_total": num_nonfinite.astype(jnp.float32),
+            "rollout/empty_after_filter": empty.astype(jnp.float32),
+            "rollout/consecutive_empty_after_filter_steps": consecutive_empty.astype(jnp.float32),
+            "rollout/empty_after_filter_total": num_empty.astype(jnp.float32),
+            "early_stopped/empty_filtered_steps": (consecutive_empty >= filter_cfg.empty_stop_steps
+                                                   ).astype(jnp.float32),
+            "train/batch_size": jnp.float32(batch),
+            "train/kept_rows": jnp.sum(kept).astype(jnp.float32),
+            "train/response_length/mean": jnp.mean(traj.response_length.astype(jnp.float32)),
+            "train/episode_return/mean": jnp.mean(traj.episode_return),
+            "train/success_rate": jnp.mean(traj.success.astype(jnp.float32)),
+        })
+        new_state = state.replace(
+            params=params,
+            opt_state=opt_state,
+            critic_params=c_params,
+            critic_opt_state=c_opt,
+            step=state.step + 1,
+            optimizer_steps=optimizer_steps,
+            critic_optimizer_steps=state.critic_optimizer_steps + counts["critic_applied"],
+            key=next_key,
+            collapse=collapse_state,
+            consecutive_empty=consecutive_empty,
+            num_empty_skipped=num_empty,
+            num_nonfinite_skipped=num_nonfinite,
+        )
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        return new_state, metrics
+
+    if not jit:
+        return update
+    return jax.jit(update, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,387 @@
+"""The jitted StarPO update step on a tiny Decoder and synthetic Trajectory batches.
+
+Seeds are fixed everywhere (``nnx.Rngs(0)``, ``jax.random.key(n)``, ``np.random.default_rng(n)``), so
+every run trains the same model on the same batches. Compiles are expensive on CPU: most fast tests
+share one compiled update (the ``shared`` fixture); variants that need their own compile are slow.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ragen_jax.models import Critic, Decoder, ModelConfig, ValueHead
+from ragen_jax.starpo import losses
+from ragen_jax.starpo import update as U
+from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.starpo.logprobs import positions_for
+from tests.starpo.traj_factory import THINK, Conversation, Turn, build_trajectory
+
+VOCAB = 16
+SEQ_LEN = 12
+NUM_GROUPS, GROUP_SIZE = 4, 4
+BATCH = NUM_GROUPS * GROUP_SIZE
+TARGETS = (10, 11, 12, 13)  # the rewarded reasoning tokens of the training test
+
+MODEL_CFG = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=8)
+
+
+def prompt_of(group):
+    return [7, 8], [4, 5 + group]
+
+
+def make_traj(reasoning, rewards, sampler_logprobs=None):
+    """One turn per row: preamble | obs | <think> | reasoning | </think>; reward on the last token."""
+    convs = []
+    for row, (z, r) in enumerate(zip(reasoning, rewards)):
+        pre, obs = prompt_of(row // GROUP_SIZE)
+        convs.append(Conversation(preamble=pre, turns=[Turn(obs=obs, reasoning=list(z), answer=[], reward=r)]))
+    return build_trajectory(convs, [b // GROUP_SIZE for b in range(BATCH)], seq_len=SEQ_LEN, max_turns=1,
+                            sampler_logprobs=sampler_logprobs)
+
+
+def random_traj(seed):
+    rng = np.random.default_rng(seed)
+    reasoning = [rng.integers(4, VOCAB, rng.integers(1, 4)).tolist() for _ in range(BATCH)]
+    return make_traj(reasoning, rng.normal(size=BATCH).tolist())
+
+
+def tree_max_abs_diff(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The shared compiled update: GRPO, SNR filter dropping zero-variance groups, collapse every 2 steps.
+
+SHARED_CFG = StarPOConfig(adv_estimator="grpo", mini_batch_size=8, micro_batch_size=4, actor_lr=0.05,
+                          entropy_coeff=0.0, logprob_chunk_size=8)
+SHARED_FILTER = FilterConfig(include_zero=False, empty_stop_steps=2)
+SHARED_COLLAPSE = CollapseConfig(compute_freq=2, num_samples=8, micro_batch_size=32, baseline_steps=1)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
+    graphdefs, state = U.init_train_state(policy, SHARED_CFG, key=jax.random.key(0))
+    raw = U.make_update_step(graphdefs, SHARED_CFG, SHARED_FILTER, SHARED_COLLAPSE, group_size=GROUP_SIZE,
+                             jit=False)
+    traces = []
+
+    def counted(state, traj):
+        traces.append(1)  # runs once per trace, never at execution time
+        return raw(state, traj)
+
+    return {"graphdefs": graphdefs, "state": state, "update": jax.jit(counted), "traces": traces}
+
+
+def test_one_compile_for_filter_advantages_loss_update_and_diagnostics(shared):
+    update, state = shared["update"], shared["state"]
+    flags, steps = [], []
+    for seed in range(4):
+        state, metrics = update(state, random_traj(seed))
+        flags.append(float(metrics["collapse/computed"]))
+        steps.append(float(metrics["train/optimizer_steps"]))
+        assert all(np.isfinite(float(v)) for v in metrics.values())
+    assert len(shared["traces"]) == 1 and update._cache_size() == 1
+    # Collapse diagnostics at global steps 1, 2, 4 (step 1 and every compute_freq=2).
+    assert flags == [1.0, 1.0, 0.0, 1.0]
+    assert int(state.step) == 4
+    assert int(state.optimizer_steps) == sum(steps) > 0
+    assert float(metrics["collapse/valid_thinking_rate"]) == 1.0
+
+
+def test_nonfinite_gradient_skips_the_step_and_is_counted(shared):
+    update, state = shared["update"], shared["state"]
+    traj = random_traj(10)
+    rewards = np.array(traj.token_rewards)
+    rewards[0, :] = np.nan  # one row of group 0: its mini-batch's gradient is NaN
+    new_state, metrics = update(state, traj.replace(token_rewards=jnp.asarray(rewards)))
+    assert float(metrics["train/nonfinite_grad_skipped"]) == 1.0
+    assert int(new_state.num_nonfinite_skipped) == 1
+    assert int(new_state.optimizer_steps) == 1  # the other mini-batch still trains
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new_state.params))
+
+    rewards[:, :] = np.nan
+    new_state, metrics = update(state, traj.replace(token_rewards=jnp.asarray(rewards)))
+    assert int(new_state.num_nonfinite_skipped) == 2 and int(new_state.optimizer_steps) == 0
+    assert tree_max_abs_diff(new_state.params, state.params) == 0.0
+    assert tree_max_abs_diff(new_state.opt_state, state.opt_state) == 0.0
+    # The rollout statistics report the NaN data as it is; the update's own metrics stay finite.
+    assert all(np.isfinite(float(v)) for k, v in metrics.items() if k.startswith("actor/"))
+
+
+def test_empty_filter_skips_update_and_raises_early_stop(shared):
+    update, state = shared["update"], shared["state"]
+    flat = random_traj(20)
+    # Every member of a group scores the same: zero reward std everywhere, include_zero=False drops all.
+    same = np.zeros((BATCH, SEQ_LEN), np.float32)
+    last = np.asarray(flat.turn_last_token)[:, 0]
+    same[np.arange(BATCH), last] = np.repeat(np.arange(NUM_GROUPS, dtype=np.float32), GROUP_SIZE)
+    flat = flat.replace(token_rewards=jnp.asarray(same))
+    s1, m1 = update(state, flat)
+    assert float(m1["rollout/empty_after_filter"]) == 1.0 and float(m1["train/optimizer_steps"]) == 0.0
+    assert tree_max_abs_diff(s1.params, state.params) == 0.0
+    assert float(m1["early_stopped/empty_filtered_steps"]) == 0.0
+    s2, m2 = update(s1, flat)
+    assert int(s2.consecutive_empty) == 2 and int(s2.num_empty_skipped) == 2
+    assert float(m2["early_stopped/empty_filtered_steps"]) == 1.0  # empty_stop_steps = 2
+    s3, m3 = update(s2, random_traj(21))
+    assert int(s3.consecutive_empty) == 0 and float(m3["rollout/empty_after_filter"]) == 0.0
+    assert tree_max_abs_diff(s3.params, s2.params) > 0.0
+
+
+def _sample_batch(policy_params, graphdefs, rest, key):
+    """On-policy one-token reasoning per row, sampled from the tiny policy at temperature 1."""
+    policy = nnx.merge(graphdefs.policy, policy_params, rest)
+    prompts = jnp.array([sum(prompt_of(b // GROUP_SIZE), []) + [THINK] for b in range(BATCH)])
+    logits, _ = policy(prompts, positions_for(prompts))
+    logp = jax.nn.log_softmax(logits[:, -1])
+    tok = jax.random.categorical(key, logp)
+    return tok, jnp.take_along_axis(logp, tok[:, None], 1)[:, 0], jnp.exp(logp)
+
+
+def test_training_raises_probability_of_rewarded_tokens(shared):
+    update, state, gd = shared["update"], shared["state"], shared["graphdefs"]
+    sample = jax.jit(lambda p, k: _sample_batch(p, gd, state.rest[0], k))
+    targets = np.array(TARGETS)
+
+    def p_target(params):
+        return float(np.asarray(sample(params, jax.random.key(0))[2])[:, targets].sum(1).mean())
+
+    before = p_target(state.params)
+    for it in range(12):
+        tok, logp, _ = sample(state.params, jax.random.key(100 + it))
+        tok = np.asarray(tok)
+        rewards = np.isin(tok, targets).astype(float).tolist()
+        slp = np.zeros((BATCH, SEQ_LEN), np.float32)
+        slp[:, 5] = np.asarray(logp)  # the reasoning token sits right after <think> (index 5)
+        traj = make_traj([[int(t)] for t in tok], rewards, sampler_logprobs=slp)
+        state, metrics = update(state, traj)
+    after = p_target(state.params)
+    assert before < 0.4 and after > before + 0.3, (before, after)
+    assert len(shared["traces"]) == 1
+
+
+def test_sampler_logprob_agreement_metric(shared):
+    update, state, gd = shared["update"], shared["state"], shared["graphdefs"]
+    policy = nnx.merge(gd.policy, state.params, state.rest[0])
+    traj = random_traj(30)
+    logits, _ = jax.jit(lambda t: policy(t, positions_for(t)))(traj.tokens)
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    _, m = update(state, traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact, 0.0)))
+    assert float(m["actor/sampler_logprob_abs_diff_max"]) < 1e-5
+    _, m = update(state, traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact - 0.5, 0.0)))
+    np.testing.assert_allclose(float(m["actor/sampler_logprob_abs_diff_mean"]), 0.5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loss function itself: finite differences and exact micro-batch accumulation
+
+
+FD_CFG = StarPOConfig(adv_estimator="grpo", use_kl_loss=True, kl_coef=0.5, kl_type="low_var_kl",
+                      entropy_coeff=0.01, logprob_chunk_size=5)
+
+
+@pytest.fixture(scope="module")
+def loss_setup():
+    """The micro-batch loss of FD_CFG on a tiny policy, one jitted value-and-grad for every use.
+
+    Old log-probs are the current ones perturbed, so many ratios sit outside [1 - 0.2, 1 + 0.28]
+    (clipped) and large ratios with negative advantages hit the dual clip; group 1 is
+    filtered out (row weight 0); the KL is k3 against a perturbed reference.
+    """
+    policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(3))
+    graphdefs, state = U.init_train_state(policy, FD_CFG, key=jax.random.key(0))
+    loss_fn, _ = U.make_loss_fn(graphdefs, FD_CFG)
+    traj = random_traj(40)
+    rng = np.random.default_rng(0)
+    model = nnx.merge(graphdefs.policy, state.params, state.rest[0])
+    logits, _ = jax.jit(lambda t: model(t, positions_for(t)))(traj.tokens)
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    logp = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    mask = traj.loss_mask
+    mb = {"tokens": traj.tokens, "loss_mask": mask,
+          "row_weights": jnp.asarray(np.repeat([1.0, 0.0, 1.0, 1.0], GROUP_SIZE), jnp.float32),
+          # ±0.4 nats everywhere, and a fifth of the tokens 1.5 nats less likely before (ratio ≈ 4.5 > c).
+          "old_logp": logp + jnp.asarray(rng.uniform(-0.4, 0.4, logp.shape)
+                                         - 1.5 * (rng.random(logp.shape) < 0.2), jnp.float32),
+          "advantages": jnp.asarray(rng.normal(size=(BATCH, SEQ_LEN)) * 2.0, jnp.float32) * mask,
+          "ref_logp": logp + jnp.asarray(rng.normal(size=logp.shape) * 0.3, jnp.float32)}
+    den = losses.loss_denominator(mask, FD_CFG.loss_agg_mode, mb["row_weights"])
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, part: loss_fn(p, None, state.rest, part, den, den), has_aux=True))
+    return {"graphdefs": graphdefs, "state": state, "mb": mb, "value_and_grad": value_and_grad}
+
+
+def _unit(tree):
+    norm = np.sqrt(sum(float(jnp.sum(x * x)) for x in jax.tree.leaves(tree)))
+    return jax.tree.map(lambda x: x / norm, tree)
+
+
+def test_clipped_loss_gradient_matches_finite_differences(loss_setup):
+    params, mb, vg = loss_setup["state"].params, loss_setup["mb"], loss_setup["value_and_grad"]
+    (_, aux), grad = vg(params, mb)
+    n_tok = float(aux["n_tokens"])
+    assert float(aux["pg_clipfrac"]) / n_tok > 0.2 and float(aux["pg_clipfrac_lower"]) > 0  # both clips active
+    rng = np.random.default_rng(1)
+    h = 2e-3
+    g_unit = _unit(grad)
+    for _ in range(3):
+        # Half along the gradient, half random: the loss moves along it, and every parameter is probed.
+        r = _unit(jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params))
+        d = _unit(jax.tree.map(jnp.add, g_unit, r))
+        plus = vg(jax.tree.map(lambda p, v: p + h * v, params, d), mb)[0][0]
+        minus = vg(jax.tree.map(lambda p, v: p - h * v, params, d), mb)[0][0]
+        fd = (float(plus) - float(minus)) / (2 * h)
+        analytic = sum(float(jnp.sum(g * v)) for g, v in zip(jax.tree.leaves(grad), jax.tree.leaves(d)))
+        assert abs(analytic) > 0.1
+        np.testing.assert_allclose(fd, analytic, rtol=1e-3)
+
+
+def _reference_loss(params, graphdefs, rest, mb, cfg):
+    """The full-batch objective written out directly from spec §5.4 (token-mean over kept rows)."""
+    model = nnx.merge(graphdefs.policy, params, rest)
+    logits, _ = model(mb["tokens"], positions_for(mb["tokens"]))
+    lp_all = jax.nn.log_softmax(logits[:, :-1], -1)
+    logp = jnp.take_along_axis(lp_all, mb["tokens"][:, 1:, None], -1)[..., 0]
+    ent = -jnp.sum(jnp.exp(lp_all) * lp_all, -1)
+    m = (mb["loss_mask"][:, 1:] * mb["row_weights"][:, None]).astype(jnp.float32)
+    old, adv, ref = mb["old_logp"][:, 1:], mb["advantages"][:, 1:], mb["ref_logp"][:, 1:]
+    ratio = jnp.exp(jnp.clip(logp - old, -20, 20))
+    l1 = -adv * ratio
+    l2 = -adv * jnp.clip(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    lc = jnp.maximum(l1, l2)
+    pg = jnp.where(adv < 0, jnp.minimum(lc, -adv * cfg.clip_ratio_c), lc)
+    d = jnp.clip(ref - logp, -20, 20)
+    kl = jnp.clip(jnp.exp(d) - d - 1, -10, 10)
+    per_tok = pg - cfg.entropy_coeff * ent + cfg.kl_coef * kl
+    return jnp.sum(per_tok * m) / jnp.sum(m)
+
+
+def test_micro_batch_gradients_sum_to_the_full_batch_gradient(loss_setup):
+    params, mb, vg = loss_setup["state"].params, loss_setup["mb"], loss_setup["value_and_grad"]
+    gd, rest = loss_setup["graphdefs"], loss_setup["state"].rest[0]
+    (full_loss, _), full = vg(params, mb)
+    # Micro-batches of 4 rows (rows outside a micro-batch masked out: same arithmetic as slicing them,
+    # which the slow end-to-end test checks) against the one mini-batch denominator.
+    summed, loss_sum = None, 0.0
+    for start in range(0, BATCH, 4):
+        rows = (jnp.arange(BATCH) >= start) & (jnp.arange(BATCH) < start + 4)
+        part = {**mb, "loss_mask": mb["loss_mask"] & rows[:, None]}
+        (loss, _), g = vg(params, part)
+        loss_sum += float(loss)
+        summed = g if summed is None else jax.tree.map(jnp.add, summed, g)
+    ref_loss, ref = jax.jit(jax.value_and_grad(lambda p: _reference_loss(p, gd, rest, mb, FD_CFG)))(params)
+    np.testing.assert_allclose(float(full_loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(loss_sum, float(ref_loss), rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref))
+    assert tree_max_abs_diff(full, ref) < 1e-5 * scale
+    assert tree_max_abs_diff(summed, ref) < 1e-5 * scale
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration errors
+
+
+def test_config_errors_name_the_key_and_allowed_values():
+    with pytest.raises(ValueError, match=r"unknown key starpo\.clip_ratio; allowed: .*clip_ratio_low"):
+        StarPOConfig.from_dict({"clip_ratio": 0.2})
+    with pytest.raises(ValueError, match="advantage estimator 'ppo'.*'gae'.*'grpo'"):
+        StarPOConfig(adv_estimator="ppo")
+    with pytest.raises(ValueError, match="loss aggregation.*token-mean"):
+        StarPOConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="needs a critic"):
+        StarPOConfig(adv_estimator="gae", critic="none")
+    with pytest.raises(ValueError, match="both set"):
+        StarPOConfig(mini_batch_size=4, num_mini_batches=2)
+    with pytest.raises(ValueError, match="filter strategy 'top_q'.*'top_p'"):
+        FilterConfig.from_dict({"strategy": "top_q"})
+    with pytest.raises(ValueError, match=r"unknown key filter\.rollout_filter_value"):
+        FilterConfig.from_dict({"rollout_filter_value": 0.9})
+    cfg = StarPOConfig.from_dict({"adv_estimator": "grpo", "norm_adv_by_std": False})
+    assert cfg.estimator == "drgrpo" and cfg.critic_mode == "none"
+    assert StarPOConfig().critic_mode == "separate"
+    assert StarPOConfig().mini_batch_layout(128) == (4, 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        StarPOConfig(mini_batch_size=5).mini_batch_layout(16)
+
+
+def test_init_rejects_a_critic_of_the_wrong_kind():
+    policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs a critic module"):
+        U.init_train_state(policy, StarPOConfig(critic="shared"), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="pass a models.ValueHead"):
+        U.init_train_state(policy, StarPOConfig(critic="shared"), key=jax.random.key(0),
+                           critic=Critic(MODEL_CFG, rngs=nnx.Rngs(1)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slow: variants with their own compile
+
+
+@pytest.mark.slow
+def test_micro_batching_gives_the_same_update_end_to_end():
+    # A large Adam epsilon makes the first step linear in the gradient (no sign amplification of
+    # tiny float differences), so the parameters compare tightly.
+    base = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, adam_eps=10.0, weight_decay=0.0,
+                grad_clip=1e6, logprob_chunk_size=8)
+    traj = random_traj(50)
+    results = []
+    for micro in (None, 1):
+        cfg = StarPOConfig(**base, micro_batch_size=micro)
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE)
+        results.append(update(state, traj))
+    (s_full, m_full), (s_micro, m_micro) = results
+    assert tree_max_abs_diff(s_full.params, s_micro.params) < 1e-6
+    np.testing.assert_allclose(float(m_full["actor/pg_loss"]), float(m_micro["actor/pg_loss"]), atol=1e-6)
+    np.testing.assert_allclose(float(m_full["actor/grad_norm"]), float(m_micro["actor/grad_norm"]), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic_mode", ["shared", "separate"])
+def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
+    cfg = StarPOConfig(adv_estimator="gae", critic=critic_mode, mini_batch_size=8, micro_batch_size=4,
+                       actor_lr=1e-3, critic_lr=3e-2, use_kl_loss=True, kl_coef=0.1, logprob_chunk_size=8)
+    policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
+    critic = ValueHead(MODEL_CFG, rngs=nnx.Rngs(1)) if critic_mode == "shared" else Critic(MODEL_CFG, rngs=nnx.Rngs(1))
+    graphdefs, state = U.init_train_state(policy, cfg, key=jax.random.key(0), critic=critic)
+    update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(num_samples=8),
+                                group_size=GROUP_SIZE, donate=False)
+    traj = random_traj(60)
+    state1, m = update(state, traj)
+    # The reference is the initial policy: KL 0 before the first step.
+    assert abs(float(m["actor/ref_kl"])) < 1e-6
+    vf = [float(m["critic/vf_loss"])]
+    for _ in range(15):
+        state1, m = update(state1, traj)
+        vf.append(float(m["critic/vf_loss"]))
+    assert vf[-1] < 0.5 * vf[0], vf
+    assert float(m["actor/kl_loss"]) != 0.0
+    assert tree_max_abs_diff(state1.critic_params, state.critic_params) > 0
+
+
+@pytest.mark.slow
+def test_shared_value_head_loss_does_not_reach_the_policy_trunk():
+    cfg = StarPOConfig(adv_estimator="gae", critic="shared", entropy_coeff=0.0, logprob_chunk_size=8)
+    policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
+    graphdefs, state = U.init_train_state(policy, cfg, key=jax.random.key(0),
+                                          critic=ValueHead(MODEL_CFG, rngs=nnx.Rngs(1)))
+    loss_fn, _ = U.make_loss_fn(graphdefs, cfg)
+    traj = random_traj(70)
+    mask = traj.loss_mask
+    zeros = jnp.zeros(mask.shape)
+    mb = {"tokens": traj.tokens, "loss_mask": mask, "row_weights": jnp.ones(BATCH), "old_logp": zeros,
+          "advantages": zeros, "old_values": zeros, "returns": jnp.where(mask, 3.0, 0.0)}
+    den = jnp.sum(mask).astype(jnp.float32)
+    (loss, _), (g_policy, g_head) = jax.jit(jax.value_and_grad(
+        lambda p, c: loss_fn(p, c, state.rest, mb, den, den), argnums=(0, 1), has_aux=True))(
+        state.params, state.critic_params)
+    assert float(loss) > 1.0  # the value loss is there ...
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_policy)) == 0.0  # ... not in the trunk
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_head)) > 0.0
