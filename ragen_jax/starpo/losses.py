@@ -1,8 +1,8 @@
-"""StarPO losses: PPO policy loss, KL estimators, value loss, entropy and exact loss aggregation.
+"""StarPO losses: PPO policy loss, KL estimators, value loss and exact loss aggregation.
 
 All ``[B, L]`` arrays follow the token-axis convention of ``advantages.py``: index ``t`` is about
-token ``t`` as a target (its log-prob comes from the logits at ``t - 1``; ``token_logprobs`` and
-``token_entropy`` do that shift).
+token ``t`` as a target (its log-prob and entropy come from the logits at ``t - 1``, as
+``starpo/logprobs.py`` computes them).
 
 Aggregation is exact under micro-batching. Every aggregation mode returns ``(numerator,
 denominator)`` whose denominators depend on the masks only, so for a batch split into micro-batches
@@ -44,34 +44,6 @@ def _check_shapes(what: str, **arrays) -> None:
 def _masked_mean(x: Array, mask: Array) -> Array:
     m = mask.astype(jnp.float32)
     return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Log-probs and entropy from logits (target-aligned)
-# ---------------------------------------------------------------------------------------------
-
-
-def token_logprobs(logits: Array, tokens: Array, temperature: float = 1.0) -> Array:
-    """log pi(tokens[t] | tokens[:t]) for every ``t``: float32 ``[B, L]`` (0 at ``t = 0``).
-
-    Args: logits ``[B, L, V]`` (position ``t`` predicts token ``t + 1``); tokens int ``[B, L]``.
-    """
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    picked = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
-
-
-def entropy_from_logits(logits: Array) -> Array:
-    """Entropy of ``softmax(logits)`` over the last axis: ``[..., V]`` -> float32 ``[...]``."""
-    logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-
-
-def token_entropy(logits: Array, temperature: float = 1.0) -> Array:
-    """Entropy of the distribution token ``t`` was drawn from: float32 ``[B, L]`` (0 at ``t = 0``)."""
-    ent = entropy_from_logits(logits[:, :-1] / temperature)
-    return jnp.concatenate([jnp.zeros_like(ent[:, :1]), ent], axis=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +309,7 @@ def actor_objective(
     All three terms share one mask and one aggregation mode, hence one denominator, so the objective
     is a single numerator over it: ``combine`` the pairs of all micro-batches (or divide each
     numerator by the total ``loss_denominator``) to get the exact full-batch loss and gradient.
-    ``entropy`` (``[B, L]``, e.g. ``token_entropy``) and ``ref_logp`` are only needed when their
+    ``entropy`` (``[B, L]``, per-token entropies from ``logprobs.py``) and ``ref_logp`` are only needed when their
     coefficient is non-zero. ``policy_hparams`` go to the policy loss (``clip_ratio_low``, ...).
 
     Metrics (this micro-batch's values): ``pg_loss``, ``entropy`` (if given), ``kl_loss`` (if a KL

@@ -241,25 +241,6 @@ def value_loss(v, v_old, ret, mask, clip):
     return loss, {"vf_clipfrac": mean(clipped), "vpred_mean": mean(preds)}
 
 
-def log_softmax(row):
-    top = max(row)
-    lse = top + math.log(sum(math.exp(z - top) for z in row))
-    return [z - lse for z in row]
-
-
-def token_logprobs_and_entropy(logits, tokens):
-    """logits [B, L, V]: token t scored by the logits at t - 1."""
-    B, L, _ = logits.shape
-    logp = np.zeros((B, L))
-    ent = np.zeros((B, L))
-    for b in range(B):
-        for t in range(1, L):
-            lp = log_softmax(list(logits[b, t - 1]))
-            logp[b, t] = lp[tokens[b, t]]
-            ent[b, t] = -sum(math.exp(z) * z for z in lp)
-    return logp, ent
-
-
 # ---------------------------------------------------------------------------------------------
 # SNR-adaptive rollout filter (spec §6)
 # ---------------------------------------------------------------------------------------------

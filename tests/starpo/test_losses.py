@@ -211,16 +211,6 @@ def test_value_loss_matches_reference(seed):
     assert 0 < want_metrics["vf_clipfrac"] < 1
 
 
-def test_token_logprobs_and_entropy_match_reference():
-    rng = np.random.default_rng(12)
-    logits = rng.normal(scale=3.0, size=(2, 5, 7))
-    tokens = rng.integers(0, 7, size=(2, 5))
-    want_logp, want_ent = ref.token_logprobs_and_entropy(logits, tokens)
-    lg = jnp.asarray(logits, jnp.float32)
-    np.testing.assert_allclose(losses.token_logprobs(lg, jnp.asarray(tokens)), want_logp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(losses.token_entropy(lg), want_ent, rtol=1e-5, atol=1e-5)
-
-
 def test_unknown_names_list_allowed_values():
     with pytest.raises(ValueError, match="Unknown loss aggregation 'mean'.*'token-mean'"):
         losses.aggregate(jnp.zeros((1, 1)), jnp.ones((1, 1)), "mean")
