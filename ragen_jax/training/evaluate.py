@@ -1,0 +1,137 @@
+"""Evaluation on fixed validation puzzles: success, pass@k, JSONL transcripts (spec §4.9).
+
+The validation set is ``eval.num_episodes`` env reset keys from ``validation_keys(n, seed)`` —
+the same puzzles at every evaluation and in every run with the same ``eval.validation_seed``.
+Each puzzle is attempted ``eval.pass_k`` times at ``eval.temperature`` (0 = greedy): ``success``
+is the mean over all attempts, ``pass@k`` the fraction of puzzles solved at least once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ragen_jax.rollout import codec as codec_lib
+from ragen_jax.rollout.agent import make_rollout, validation_keys
+
+
+class Evaluator:
+    """Compiled validation rollouts for one model architecture / env / tokenizer.
+
+    The validation batch is cut into chunks of the training batch size (``chunk_rows`` rows), so
+    evaluating 512 puzzles never needs more memory than a training rollout.
+    """
+
+    def __init__(self, graphdef, env, env_params, tokenizer, rollout_cfg, eval_cfg, chunk_rows: int):
+        self.eval_cfg = eval_cfg
+        self.tokenizer = tokenizer
+        k = int(eval_cfg.pass_k)
+        n = int(eval_cfg.num_episodes)
+        groups_per_chunk = max(1, min(n, chunk_rows // k))
+        self.num_chunks = -(-n // groups_per_chunk)
+        self.groups_per_chunk = groups_per_chunk
+        cfg = dataclasses.replace(rollout_cfg, num_groups=groups_per_chunk, group_size=k,
+                                  temperature=float(eval_cfg.temperature))
+        self.rollout = make_rollout(graphdef, env, env_params, tokenizer, cfg)
+        keys = validation_keys(self.num_chunks * groups_per_chunk, int(eval_cfg.validation_seed))
+        self.env_keys = jnp.repeat(keys, k, axis=0)  # [chunks * G * k]
+        self.num_episodes = n
+
+    def __call__(self, params, step: int, jsonl_path: str | os.PathLike | None = None) -> dict[str, float]:
+        """Run every validation puzzle; returns ``val/*`` metrics and optionally writes transcripts."""
+        t0 = time.time()
+        k = int(self.eval_cfg.pass_k)
+        rows = self.groups_per_chunk * k
+        succ, ret, turns, valid, length = [], [], [], [], []
+        records = []
+        for c in range(self.num_chunks):
+            keys = self.env_keys[c * rows:(c + 1) * rows]
+            traj = self.rollout.run(params, keys, jax.random.fold_in(jax.random.key(int(self.eval_cfg.validation_seed)), c))
+            traj = jax.device_get(traj)
+            succ.append(traj.success)
+            ret.append(traj.episode_return)
+            turns.append(traj.num_turns)
+            valid.append(traj.valid_action_rate)
+            length.append(traj.response_length)
+            if jsonl_path is not None:
+                records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk))
+        n = self.num_episodes * k  # drop the padding puzzles of the last chunk
+        s = np.concatenate(succ)[:n].astype(np.float64)
+        metrics = {
+            "val/success": float(s.mean()),
+            f"val/pass@{k}": float(s.reshape(-1, k).max(axis=1).mean()),
+            "val/return": float(np.concatenate(ret)[:n].mean()),
+            "val/num_turns": float(np.concatenate(turns)[:n].mean()),
+            "val/valid_action_rate": float(np.concatenate(valid)[:n].mean()),
+            "val/response_length": float(np.concatenate(length)[:n].mean()),
+            "timing_s/eval": time.time() - t0,
+        }
+        if jsonl_path is not None:
+            path = Path(jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                for r in records[:n]:
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        return metrics
+
+    def _records(self, traj, step: int, first_puzzle: int) -> list[dict]:
+        k = int(self.eval_cfg.pass_k)
+        out = []
+        for b in range(traj.tokens.shape[0]):
+            ids = traj.tokens[b][traj.valid_mask[b]]
+            nt = int(traj.num_turns[b])
+            out.append({
+                "step": int(step),
+                "puzzle": first_puzzle + b // k,
+                "attempt": b % k,
+                "success": bool(traj.success[b]),
+                "return": float(traj.episode_return[b]),
+                "num_turns": nt,
+                "num_actions": int(traj.num_actions[b]),
+                "turn_rewards": [float(x) for x in traj.turn_rewards[b][:nt]],
+                "transcript": codec_lib.decode(self.tokenizer, ids),
+            })
+        return out
+
+
+def run_eval(spec) -> dict[str, float]:
+    """``mode=eval``: restore the latest (or ``eval.checkpoint_step``) checkpoint and evaluate it.
+
+    Without a checkpoint in ``workdir/checkpoints`` the preset's initial model is evaluated (e.g. a
+    pretrained Qwen2.5 checkpoint before any RL).
+    """
+    from ragen_jax.training.checkpoint import Checkpointer
+    from ragen_jax.training.trainer import setup
+
+    cfg = spec.config
+    run = setup(spec)
+    params = run.train_state.params
+    ckpt_dir = Path(cfg.workdir) / "checkpoints"
+    step = 0
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
+    if ckpt is not None and ckpt.latest_step() is not None:
+        state, _, step = ckpt.restore(run.train_state, cfg.eval.checkpoint_step)
+        params = state.params
+        print(f"evaluating checkpoint step {step} from {ckpt_dir}")
+    else:
+        print(f"no checkpoint in {ckpt_dir}: evaluating the initial model of preset {spec.preset!r}")
+    if ckpt is not None:
+        ckpt.close()
+    ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, cfg.eval,
+                   spec.rollout.batch_size)
+    path = Path(cfg.workdir) / "eval" / f"transcripts_step{step}.jsonl" if cfg.eval.write_transcripts else None
+    if path is not None and path.exists():
+        path.unlink()
+    metrics = ev(params, step, path)
+    width = max(len(k) for k in metrics)
+    for k, v in metrics.items():
+        print(f"{k:<{width}}  {v:.4f}")
+    if path is not None:
+        print(f"transcripts: {path}")
+    return metrics

@@ -1,0 +1,112 @@
+"""Episode metrics of a rollout batch (spec §4.6) and the host-side early-stop signals (spec §5.1).
+
+``rollout_metrics`` is a pure jitted function of the ``Trajectory``; ``EarlyStop`` keeps the few
+host counters the three stop signals need and serialises them for checkpoints (exact resume).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ragen_jax.rollout.trajectory import Trajectory
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
+    """Batch means of the episode statistics; ``pass@group_size`` = any success within a group.
+
+    ``in_group_reward_std`` is the mean over groups of the unbiased std of episode returns (the
+    quantity RAGEN's filter calls "reward_variance" and its collapse stop watches).
+    """
+    success = traj.success.astype(jnp.float32)
+    groups = success.reshape(-1, group_size)
+    returns = traj.episode_return.reshape(-1, group_size)
+    ddof = 1 if group_size > 1 else 0
+    return {
+        "success": success.mean(),
+        f"pass@{group_size}": groups.max(axis=1).mean(),
+        "return": traj.episode_return.mean(),
+        "return_std": traj.episode_return.std(),
+        "in_group_reward_std": returns.std(axis=1, ddof=ddof).mean(),
+        "num_turns": traj.num_turns.astype(jnp.float32).mean(),
+        "num_actions": traj.num_actions.astype(jnp.float32).mean(),
+        "valid_action_rate": traj.valid_action_rate.mean(),
+        "effective_action_rate": traj.effective_action_rate.mean(),
+        "response_length": traj.response_length.astype(jnp.float32).mean(),
+        "sequence_length": traj.lengths.astype(jnp.float32).mean(),
+        "sequence_length_max": traj.lengths.max().astype(jnp.float32),
+        "format_penalty": traj.turn_format_penalty.sum(axis=1).mean(),
+        "sampled_tokens": traj.response_length.sum().astype(jnp.float32),
+    }
+
+
+@dataclasses.dataclass
+class EarlyStop:
+    """Three early-stop signals, always computed and logged; stopping is optional (config.trainer).
+
+    * empty filter: ``consecutive_empty`` batches left empty by the SNR filter (spec §5.1.4);
+    * reward-variance collapse (spec §5.1.6): baseline = mean in-group reward std over the first
+      ``baseline_steps`` non-empty steps; collapse when ``window`` consecutive later steps are all
+      below ``ratio`` × baseline;
+    * MI collapse: the MI proxy below ``mi_ratio`` × its baseline (mean of the first
+      ``mi_baseline`` computations) for ``mi_window`` consecutive computations while the reward
+      plateaus (mean return over those computations' steps not above the mean over the steps before).
+    """
+
+    baseline_steps: int = 10
+    window: int = 10
+    ratio: float = 0.1
+    mi_ratio: float = 0.5
+    mi_window: int = 3
+    mi_baseline: int = 3
+    consecutive_empty: int = 0
+    rv_history: list = dataclasses.field(default_factory=list)
+    rv_below: int = 0
+    mi_history: list = dataclasses.field(default_factory=list)
+    return_history: list = dataclasses.field(default_factory=list)
+    mi_below: int = 0
+
+    def update(self, *, empty: bool, reward_std: float, episode_return: float, mi: float | None) -> dict:
+        """Feed one training step; returns the ``early_stop/*`` metrics (flags as 0/1)."""
+        self.consecutive_empty = self.consecutive_empty + 1 if empty else 0
+        self.return_history.append(float(episode_return))
+        rv_collapse = False
+        if not empty:
+            self.rv_history.append(float(reward_std))
+            if len(self.rv_history) > self.baseline_steps:
+                base = float(np.mean(self.rv_history[: self.baseline_steps]))
+                self.rv_below = self.rv_below + 1 if reward_std < self.ratio * base else 0
+                rv_collapse = self.rv_below >= self.window
+        mi_collapse = False
+        if mi is not None and np.isfinite(mi):
+            self.mi_history.append((len(self.return_history), float(mi)))
+            if len(self.mi_history) > self.mi_baseline:
+                base = float(np.mean([m for _, m in self.mi_history[: self.mi_baseline]]))
+                low = mi < self.mi_ratio * base
+                n = len(self.return_history)
+                span = max(1, n - self.mi_history[-self.mi_window][0]) if len(self.mi_history) >= self.mi_window else n
+                recent = np.mean(self.return_history[-span:])
+                before = np.mean(self.return_history[-2 * span: -span]) if n > span else -np.inf
+                plateau = recent <= before
+                self.mi_below = self.mi_below + 1 if (low and plateau) else 0
+                mi_collapse = self.mi_below >= self.mi_window
+        return {
+            "early_stop/consecutive_empty_after_filter_steps": float(self.consecutive_empty),
+            "early_stop/reward_variance_below_steps": float(self.rv_below),
+            "early_stop/reward_variance_collapse": float(rv_collapse),
+            "early_stop/mi_below_steps": float(self.mi_below),
+            "early_stop/mi_collapse": float(mi_collapse),
+        }
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "EarlyStop":
+        d = dict(d)
+        d["mi_history"] = [tuple(x) for x in d.get("mi_history", [])]
+        return cls(**d)

@@ -1,0 +1,263 @@
+"""Behaviour-cloning warm-up: imitate the env solvers' optimal actions before RL.
+
+A model that starts with no task signal (every reply malformed, every reward 0) gives StarPO
+nothing to work with: all groups have zero reward variance. A short supervised phase on expert
+conversations fixes that. The conversations are produced by the rollout itself with scripted
+replies (``ForcedReplies``), so their tokens, chat framing, observations, reward messages and loss
+mask are exactly what RL rollouts produce — one piece of code builds both.
+
+Expert. At every turn a closed-loop expert re-plans from the current state with the env's solver
+(``environments.solvers``: BFS for Sokoban, shortest path avoiding holes for FrozenLake) and takes
+the first ``max_actions_per_turn`` actions. States are simulated on the host with the rollout's own
+step keys (``fold_in(env_key, actions_taken + 1)``), so even slippery FrozenLake's outcomes match
+what the scripted rollout then produces. Each reply is short, state-specific reasoning plus the
+answer, e.g. ``The player is at (1, 3) and the goal at (2, 0); moving Left avoids the hole at
+(1, 2).</think><answer>Left || Down</answer>``.
+
+Training: cross-entropy on the assistant tokens (``Trajectory.loss_mask``), optax AdamW, one
+jitted step. ``warmup.num_states`` limits the demonstrations to that many start states (a weak,
+deliberately partial warm-up leaves RL room to improve); ``warmup.action_noise`` replaces that
+fraction of expert turns by a random action (imperfect demonstrations).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from ragen_jax.rollout import codec as codec_lib
+from ragen_jax.rollout.agent import ForcedReplies, Rollout
+from ragen_jax.rollout.trajectory import Trajectory
+
+# --------------------------------------------------------------------------------------------
+# Expert reasoning text (host)
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(rc) -> str:
+    return f"({int(rc[0])}, {int(rc[1])})"
+
+
+def frozen_lake_reasoning(pos, goal, holes: np.ndarray, actions: list[int], names) -> str:
+    """One sentence about the current state: where the player and goal are, which hole is avoided."""
+    pos, goal = np.asarray(pos), np.asarray(goal)
+    moves = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]])  # FrozenLake: Left, Down, Right, Up
+    text = f"The player is at {_cell(pos)} and the goal at {_cell(goal)}"
+    if not actions:
+        return text + "."
+    first = names[actions[0]]
+    # A neighbouring hole the chosen move steers clear of makes the reasoning state-specific.
+    size = holes.shape[0]
+    near = [pos + d for d in moves if 0 <= (pos + d)[0] < size and 0 <= (pos + d)[1] < size and holes[tuple(pos + d)]]
+    if near:
+        return text + f"; moving {first} avoids the hole at {_cell(near[0])}."
+    return text + f"; moving {first} gets closer."
+
+
+def sokoban_reasoning(player, boxes, targets, actions: list[int], names) -> str:
+    text = f"The player is at {_cell(player)}"
+    if len(boxes):
+        text += f", the box at {_cell(boxes[0])}"
+    if len(targets):
+        text += f" and the target at {_cell(targets[0])}"
+    if actions:
+        text += f"; I move {names[actions[0]]}."
+    else:
+        text += "."
+    return text
+
+
+def reply_text(reasoning: str, actions: list[int], names, enable_think: bool) -> str:
+    """The assistant reply after the forced prefix: ``reasoning</think><answer>A || B</answer>``."""
+    answer = " || ".join(names[a] for a in actions)
+    if enable_think:
+        return f"{reasoning}</think><answer>{answer}</answer>"
+    return f"{answer}</answer>"
+
+
+# --------------------------------------------------------------------------------------------
+# Closed-loop expert on host states
+# --------------------------------------------------------------------------------------------
+
+
+def _expert_plan(env_name: str, state) -> tuple[list[int], str]:
+    """(optimal action sequence from ``state``, a reasoning sentence about it)."""
+    from environments import solvers
+
+    s = jax.tree.map(np.asarray, state)
+    if env_name == "frozen_lake":
+        plan = solvers.frozen_lake_shortest_path(s.holes, tuple(s.pos), tuple(s.goal)) or []
+        return plan, lambda acts, names: frozen_lake_reasoning(s.pos, s.goal, s.holes, acts, names)
+    if env_name == "sokoban":
+        from environments import sokoban as sk
+
+        plan = solvers.solve_sokoban(s.room_fixed, s.grid) or []
+        boxes = np.argwhere((s.grid == sk.BOX) | (s.grid == sk.BOX_ON_TARGET))
+        targets = np.argwhere(s.room_fixed == sk.TARGET)
+        return plan, lambda acts, names: sokoban_reasoning(s.player, boxes, targets, acts, names)
+    raise ValueError(f"behaviour cloning has no expert for env {env_name!r}; supported: frozen_lake, sokoban")
+
+
+def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generator,
+                   action_noise: float = 0.0) -> tuple[ForcedReplies, np.ndarray]:
+    """Scripted expert replies for the episodes started from ``env_keys``.
+
+    Args:
+      rollout: the training rollout (its env, params and config).
+      env_keys: ``[B]`` reset keys, one per row.
+      rng: host generator for ``action_noise``.
+    Returns:
+      ``(ForcedReplies(tokens [B, T, N], lengths [B, T]), planned_success bool [B])``.
+    """
+    env, ep, c = rollout.env, rollout.env_params, rollout.config
+    names = tuple(env.action_names)
+    env_name = getattr(env, "name", "").lower()
+    B, T, N = env_keys.shape[0], c.max_turns, c.max_new_tokens
+    _, states = jax.vmap(env.reset, in_axes=(0, None))(env_keys, ep)
+    step = jax.jit(env.step_env)
+    tokens = np.full((B, T, N), rollout.codec.pad_id, np.int32)
+    lengths = np.zeros((B, T), np.int32)
+    success = np.zeros((B,), bool)
+    for b in range(B):
+        state = jax.tree.map(lambda x: x[b], states)
+        key = env_keys[b]
+        n_actions, done = 0, False
+        for t in range(T):
+            if done or n_actions >= c.max_actions_per_traj:
+                break
+            plan, reason = _expert_plan(env_name, state)
+            acts = list(plan[: c.max_actions_per_turn])
+            if not acts or (action_noise and rng.random() < action_noise):
+                acts = [int(rng.integers(len(names)))]
+            ids = codec_lib.encode(rollout.tokenizer, reply_text(reason(acts, names), acts, names, c.enable_think))
+            if len(ids) > N:
+                raise ValueError(f"an expert reply needs {len(ids)} tokens but rollout.max_new_tokens={N}; "
+                                 "raise rollout.max_new_tokens")
+            tokens[b, t, : len(ids)] = ids
+            lengths[b, t] = len(ids)
+            for a in acts[: c.max_actions_per_traj - n_actions]:
+                skey = jax.random.fold_in(key, n_actions + 1)
+                _, state, _, term, trunc, info = step(skey, state, a, ep)
+                n_actions += 1
+                if bool(term) or bool(trunc):
+                    done = True
+                    success[b] = bool(info["success"]) and bool(term)
+                    break
+    return ForcedReplies(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)), success
+
+
+def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_noise: float = 0.0,
+                   max_batches: int | None = None) -> list[Trajectory]:
+    """Expert trajectories from the scripted rollout, one batch of ``rollout`` rows at a time.
+
+    ``num_states`` distinct start states (rounded up to whole batches); each row is its own state.
+    """
+    B = rollout.config.batch_size
+    n_batches = max(1, -(-num_states // B))
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    rng = np.random.default_rng(seed)
+    base = jax.random.key(seed)
+    out = []
+    for i in range(n_batches):
+        env_keys = jax.random.split(jax.random.fold_in(base, i), B)
+        forced, _ = expert_replies(rollout, env_keys, rng, action_noise)
+        out.append(rollout.run(params, env_keys, jax.random.fold_in(base, 10_000 + i), forced))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Behaviour cloning
+# --------------------------------------------------------------------------------------------
+
+
+def bc_loss(graphdef, params, tokens, loss_mask, valid_mask):
+    """Token-mean cross-entropy of the assistant tokens.
+
+    Args:
+      tokens, loss_mask, valid_mask: ``[B, L]`` (the Trajectory's). ``tokens[:, t]`` is predicted
+        by the logits at ``t - 1``.
+    Returns:
+      (loss, accuracy) scalars over the masked tokens.
+    """
+    model = nnx.merge(graphdef, params)
+    B, L = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    logits, _ = model(tokens, positions)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    target = tokens[:, 1:]
+    tok_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    mask = (loss_mask[:, 1:] & valid_mask[:, 1:]).astype(jnp.float32)
+    denom = jnp.maximum(mask.sum(), 1.0)
+    loss = -(tok_logp * mask).sum() / denom
+    acc = ((jnp.argmax(logp, -1) == target) * mask).sum() / denom
+    return loss, acc
+
+
+def make_bc_step(graphdef, tx: optax.GradientTransformation) -> Callable:
+    """``step(params, opt_state, tokens, loss_mask, valid_mask) -> (params, opt_state, metrics)`` (jitted)."""
+
+    @jax.jit
+    def step(params, opt_state, tokens, loss_mask, valid_mask):
+        (loss, acc), grads = jax.value_and_grad(
+            lambda p: bc_loss(graphdef, p, tokens, loss_mask, valid_mask), has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "token_accuracy": acc, "grad_norm": optax.global_norm(grads)}
+
+    return step
+
+
+def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
+               progress: bool = True) -> tuple[Any, dict]:
+    """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
+
+    ``warmup_cfg`` keys: steps, batch_size, lr, num_states, action_noise, seed, log_every.
+    """
+    t0 = time.time()
+    num_states = warmup_cfg.num_states or warmup_cfg.steps * warmup_cfg.batch_size
+    demos = demonstrations(rollout, params, num_states, warmup_cfg.seed, warmup_cfg.action_noise)
+    data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
+    n = data.tokens.shape[0]
+    expert_success = float(jnp.mean(data.success))
+    # Trim the right padding shared by every row: the forward pass only needs the longest row.
+    width = int(jnp.max(data.lengths)) + 1
+    width = min(data.tokens.shape[1], -(-width // 64) * 64)
+    tokens, loss_mask, valid_mask = (x[:, :width] for x in (data.tokens, data.loss_mask, data.valid_mask))
+
+    graphdef = rollout.graphdef
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(warmup_cfg.lr, weight_decay=0.0))
+    opt_state = tx.init(params)
+    step_fn = make_bc_step(graphdef, tx)
+    rng = np.random.default_rng(warmup_cfg.seed)
+    bs = min(warmup_cfg.batch_size, n)
+    order = rng.permutation(n)
+    cursor = 0
+    metrics = {}
+    it = range(warmup_cfg.steps)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="warm-up (BC)", leave=False)
+    for i in it:
+        if cursor + bs > n:
+            order, cursor = rng.permutation(n), 0
+        idx = jnp.asarray(order[cursor: cursor + bs])
+        cursor += bs
+        params, opt_state, m = step_fn(params, opt_state, tokens[idx], loss_mask[idx], valid_mask[idx])
+        if (i + 1) % warmup_cfg.log_every == 0 or i + 1 == warmup_cfg.steps:
+            metrics = {k: float(v) for k, v in m.items()}
+            if log_fn is not None:
+                log_fn(i + 1, {f"warmup/{k}": v for k, v in metrics.items()})
+            if progress:
+                it.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_accuracy']:.2f}")
+    summary = {"warmup/num_demonstrations": float(n), "warmup/expert_success": expert_success,
+               "warmup/seconds": time.time() - t0, **{f"warmup/final_{k}": v for k, v in metrics.items()}}
+    return params, summary
+
+

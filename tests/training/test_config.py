@@ -1,0 +1,115 @@
+"""Config validation: every bad key or value fails with one message naming the key and the fix."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import base, bandit, frozen_lake, sokoban
+from ragen_jax.training.configuration import ConfigError, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _resolve(cfg):
+    return resolve(cfg)
+
+
+def test_presets_and_defaults():
+    s = _resolve(sokoban.get_config())
+    # RAGEN's defaults (spec §0, §5.6): 8 groups × 16, 5 turns, 2 actions/turn, 10 per episode.
+    r = s.rollout
+    assert (r.num_groups, r.group_size, r.max_turns, r.max_actions_per_turn, r.max_actions_per_traj) == (8, 16, 5, 2, 10)
+    assert (s.starpo.clip_ratio_low, s.starpo.clip_ratio_high, s.starpo.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert s.starpo.entropy_coeff == 0.001 and s.starpo.mini_batch_size == 32
+    assert s.filter.value == 1.0  # filter off by default
+    assert s.env_kwargs == {"dim_room": (6, 6), "num_boxes": 1, "observation_format": "grid"}
+    # Placeholders resolve to the preset's learning rate; an explicit value is kept.
+    assert s.starpo.actor_lr == 1e-3  # tiny preset
+    cfg = sokoban.get_config()
+    cfg.starpo.actor_lr = 5e-5
+    assert _resolve(cfg).starpo.actor_lr == 5e-5
+    fl = _resolve(frozen_lake.get_config())
+    assert fl.env_param_kwargs == {"p": 0.8, "success_rate": 1.0}
+    assert fl.env_kwargs == {"size": 4, "observation_format": "grid"}
+    assert _resolve(bandit.get_config()).rollout.max_turns == 1
+
+
+def test_pretrained_presets_use_original_learning_rates(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cfg = sokoban.get_config()
+    cfg.model.preset = "qwen2.5-0.5b"
+    cfg.model.path = str(tmp_path)
+    s = _resolve(cfg)
+    assert (s.starpo.actor_lr, s.starpo.critic_lr) == (1e-6, 1e-5)
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda c: setattr(c.model, "preset", "qwen2.5-0.5"), ["model.preset", "tiny", "qwen2.5-0.5b"]),
+    (lambda c: setattr(c.model, "preset", "qwen2.5-3b"), ["model.path is required", "--config.model.path"]),
+    (lambda c: (setattr(c.model, "preset", "qwen2.5-7b"), setattr(c.model, "path", "/nonexistent/dir")),
+     ["model.path='/nonexistent/dir'", "config.json"]),
+    (lambda c: setattr(c.starpo, "adv_estimator", "ppo2"), ["ppo2", "gae", "grpo"]),
+    (lambda c: setattr(c.filter, "strategy", "top_q"), ["top_q", "top_p", "min_p"]),
+    (lambda c: setattr(c.starpo, "mini_batch_size", 48), ["mini_batch_size", "128"]),
+    (lambda c: setattr(c.env, "name", "minesweeper"), ["env.name", "frozen_lake", "sokoban"]),
+    (lambda c: setattr(c, "mode", "serve"), ["mode", "train", "eval"]),
+    (lambda c: setattr(c.model, "dtype", "float16"), ["model.dtype", "bfloat16"]),
+    (lambda c: setattr(c.eval, "temperature", -1.0), ["eval.temperature"]),
+])
+def test_invalid_values_name_key_and_allowed(mutate, expected):
+    cfg = sokoban.get_config()
+    with cfg.unlocked():
+        mutate(cfg)
+    with pytest.raises(ConfigError) as e:
+        _resolve(cfg)
+    for fragment in expected:
+        assert fragment in str(e.value), (fragment, str(e.value))
+
+
+def test_unknown_env_key_lists_allowed():
+    cfg = sokoban.get_config()
+    with cfg.unlocked():
+        cfg.env.dim_rooms = (6, 6)
+    with pytest.raises(ConfigError, match=r"env\.dim_rooms.*dim_room"):
+        _resolve(cfg)
+
+
+def test_unknown_section_key_lists_allowed():
+    cfg = sokoban.get_config()
+    with cfg.unlocked():
+        cfg.starpo.clip_ratio = 0.2
+    with pytest.raises(ConfigError, match=r"starpo\.clip_ratio.*clip_ratio_low"):
+        _resolve(cfg)
+
+
+def test_warmup_requires_an_expert():
+    cfg = bandit.get_config()
+    cfg.warmup.steps = 5
+    with pytest.raises(ConfigError, match="warmup.steps"):
+        _resolve(cfg)
+
+
+def _launch(*args):
+    return subprocess.run([sys.executable, "-m", "ragen_jax.launch", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_unknown_override_is_explained():
+    # A typo in a command-line override: the message names the key, suggests the close match and
+    # lists the section's keys (absl's own message only says the flag is unknown).
+    p = _launch("--config", "configs/sokoban.py", "--config.rollout.num_group=4")
+    assert p.returncode == 2
+    assert "unknown config key 'rollout.num_group'" in p.stderr and "num_groups" in p.stderr
+
+
+def test_cli_invalid_choice_is_one_clear_error():
+    p = _launch("--config", "configs/sokoban.py", "--config.model.preset=qwen2.5-3b")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("Configuration error: model.path is required")
+
+
+def test_base_config_sections():
+    c = base.get_config()
+    assert set(c.keys()) >= {"env", "model", "rollout", "starpo", "filter", "collapse", "trainer", "warmup",
+                             "eval", "mode"}
