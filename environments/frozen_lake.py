@@ -103,6 +103,11 @@ def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
     return _lowbias32(_lowbias32(counter ^ seed[0]) + seed[1])
 
 
+# Worst case, over every set of free cells and every seed cell, of the flood-fill steps needed to
+# converge on a size x size board (exhaustive search; larger boards use size**2 - 1).
+FLOOD_STEPS = {2: 2, 3: 6, 4: 10}
+
+
 class Bitboard:
     """Static layout of ``boards`` stacked ``size × size`` boards as uint32 words, whole rows per word.
 
@@ -167,13 +172,15 @@ class Bitboard:
     def flood(self, free: list[chex.Array], seed: list[chex.Array]) -> list[chex.Array]:
         """Cells 4-connected to ``seed`` through ``free`` cells, in every board at once.
 
-        Shortest paths on ``size**2`` cells have at most ``size**2 - 1`` steps, so that many static
-        iterations always converge; extra ones are harmless because the fill is monotone.
+        The fill converges after as many steps as the longest shortest path from the seed: at most
+        ``size**2 - 1``, and exactly ``FLOOD_STEPS[size]`` at worst for small boards (found by
+        exhausting every free-cell mask and seed; the tests redo that search). Extra steps are
+        harmless because the fill is monotone.
         """
         def body(_, reach):
             return [s & f for s, f in zip(self.spread(reach), free)]
 
-        n_iter = self.size * self.size - 1
+        n_iter = FLOOD_STEPS.get(self.size, self.size * self.size - 1)
         return jax.lax.fori_loop(0, n_iter, body, list(seed), unroll=True if n_iter <= 24 else 8)
 
 
@@ -347,11 +354,12 @@ class FrozenLake(Environment):
         params = self.default_params() if params is None else params
         words = jax.random.bits(key, (4,), jnp.uint32)
         u = (words[0] >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # uniform [0, 1), 24 bits
-        obs, next_state, reward, terminated, truncated, info = self.transition(state, action, u, params)
-        obs_reset, state_reset = self._reset_from_seed(words[2:], params)
+        _, next_state, reward, terminated, truncated, info = self.transition(state, action, u, params)
+        _, state_reset = self._reset_from_seed(words[2:], params)
         done = terminated | truncated
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), state_reset, next_state)
-        return jnp.where(done, obs_reset, obs), next_state, reward, terminated, truncated, info
+        # One observation of the selected state instead of selecting between two.
+        return self.observation(next_state, params), next_state, reward, terminated, truncated, info
 
     def transition(self, state: FrozenLakeState, action, u, params: FrozenLakeParams):
         """The move for a given uniform draw ``u`` in [0, 1) -> ``step_env``'s 6-tuple.

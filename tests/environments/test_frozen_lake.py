@@ -388,3 +388,34 @@ def test_other_sizes_have_paths_and_render(size):
         assert ref.reachable(desc)
         assert render.join(env.piece_table, np.asarray(pieces)[i], lengths[i]) == ref.render(
             desc, np.asarray(s.pos)[i], "grid_coord")
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_flood_steps_bound_is_the_exhaustive_worst_case(size):
+    """For every free-cell mask and every seed cell, BFS eccentricity <= FLOOD_STEPS[size], with
+    equality somewhere (so the bound is tight). Exhaustive: 2**(size*size) masks."""
+    from environments.frozen_lake import FLOOD_STEPS
+
+    cells = size * size
+    masks = np.arange(1 << cells, dtype=np.int64)
+    # Neighbours as index arrays; the search below is a plain BFS layer count over all masks at once.
+    free = ((masks[:, None] >> np.arange(cells)) & 1).astype(bool)          # [masks, cells]
+    nbrs = [[r * size + c for r, c in ((i // size + dr, i % size + dc) for dr, dc in
+             ((1, 0), (-1, 0), (0, 1), (0, -1))) if 0 <= r < size and 0 <= c < size] for i in range(cells)]
+    worst = 0
+    for s in range(cells):
+        fr = free.copy()
+        fr[:, s] = True
+        reach = np.zeros_like(fr)
+        reach[:, s] = True
+        layers = 0
+        while True:
+            grown = reach.copy()
+            for i in range(cells):
+                grown[:, i] |= np.any(reach[:, nbrs[i]], axis=1)
+            grown &= fr
+            if (grown == reach).all():
+                break
+            reach, layers = grown, layers + 1
+        worst = max(worst, layers)
+    assert worst == FLOOD_STEPS[size]
