@@ -131,7 +131,12 @@ def _top_p_softmax(scores, eligible, value, largest):
 
 @FILTER_STRATEGIES.register("top_p")
 def top_p(scores, eligible, *, value, largest=True, top_p_mode="linear", selection_eps=0.01):
-    """Keep the top cumulative fraction ``value`` of score mass; ``value >= 1`` keeps every eligible group."""
+    """Keep the top cumulative fraction ``value`` of score mass; ``value >= 1`` keeps every eligible group.
+
+    Linear mode follows the original's walk exactly, including its edges: all-zero scores give an
+    empty selection, and a walk that meets a score <= 0 before reaching the threshold (e.g.
+    ``filter_type='smallest'`` with zero-std groups present) selects nothing.
+    """
     TOP_P_MODES.validate(top_p_mode)
     if top_p_mode == "linear":
         kept = _top_p_linear(scores, eligible, value, largest, selection_eps)
