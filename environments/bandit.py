@@ -11,8 +11,8 @@ Differences from RAGEN, on purpose:
     same prompt (RAGEN adds a per-instance counter to the seed, which breaks same-prompt groups);
   * actions are indices into ``action_names`` = every name of the split, so an answer maps to an
     action without per-episode tables. A name that is not one of the two shown arms (or an index
-    out of range) is an invalid action: no reward, ``action_is_valid=False``, the state does not
-    change and the episode does not terminate — like RAGEN, which does not step the env on an
+    out of range) is an invalid action: no reward, ``action_is_valid=False``, the arms stay the
+    same (only the step counter advances) and the episode does not terminate — like RAGEN, which does not step the env on an
     unusable answer. With the default ``max_steps_in_episode=1`` that step truncates the episode
     (a failure); raise the cap to allow retries;
   * the instruction text is this project's own wording of RAGEN's prompt (two arms, names hint at
