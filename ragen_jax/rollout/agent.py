@@ -128,8 +128,11 @@ def build_system_text(env, fmt: str, config: RolloutConfig, board_shape) -> str:
         instruction = prompts.env_instruction(_env_name(env), fmt, board_shape)
     shows_grid = fmt in ("grid", "grid_coord")
     legend = env.legend() if shows_grid else None
+    # Free-text observations (the bandit) name their own choices; the global action list would
+    # only leak every episode's options into the system prompt.
+    actions = None if fmt == "text" else tuple(env.action_names)
     return prompts.system_message(
-        instruction, legend=legend, action_names=tuple(env.action_names),
+        instruction, legend=legend, action_names=actions,
         max_actions_per_turn=config.max_actions_per_turn,
     )
 

@@ -60,10 +60,8 @@ FROZEN_LAKE_COORD_INSTRUCTION = (
     "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
 )
 BANDIT_INSTRUCTION = (
-    "You are playing a two-armed bandit game. Each arm pays out from its own reward distribution, "
-    "which is hinted at by the arm's name. Think about what each name suggests about how risky and "
-    "how rewarding that arm is, then choose the arm you expect to give the higher reward. "
-    "Answer with the arm's name, like <answer> ArmName </answer>."
+    "You are playing a bandit game: the state describes two arms, and you pull one of them. "
+    "Answer with the name of the arm you choose, like <answer> ArmName </answer>.\n"
 )
 
 

@@ -1,0 +1,230 @@
+"""The on-device agent loop against a pure-Python reference loop, and sampler log-prob parity.
+
+The reference loop below re-implements RAGEN's agent loop (spec §4.2–4.6) in plain Python: host
+text renders (``env.render_text``), the prompt functions, the chat template, a regex parser on the
+decoded reply and single, un-batched env steps. A scripted policy (``ForcedReplies``) feeds both
+loops the same replies. All keys and replies come from fixed seeds.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import environments
+from ragen_jax.models import Decoder, ModelConfig
+from ragen_jax.rollout import prompts
+from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout, validation_keys
+from ragen_jax.rollout.codec import decode
+from tests.rollout.helpers import make_tokenizer
+
+THINK_RE = re.compile(rb"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+
+
+def tiny_model(tok, seed=0):
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=4096)
+    return nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+
+
+def ref_parse(text: bytes, names, max_actions):
+    m = THINK_RE.search(text)
+    if m is None:
+        return [], True
+    answer = m.group(2)
+    for s in ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>"):
+        answer = answer.replace(s.encode(), b"")
+    parts = [a.strip() for a in answer.strip().split(b"||") if a.strip()][:max_actions]
+    lookup = {n.lower().encode(): i for i, n in enumerate(names)}
+    valid = [lookup[p.lower()] for p in parts if p.lower() in lookup]
+    return valid, (len(valid) != len(parts) or not valid)
+
+
+def reference_episode(env, params, key, replies, cfg: RolloutConfig, framing, system, fmt):
+    """One episode in plain Python. ``replies``: per turn (full_text, text_without_specials, eot)."""
+    _, state = env.reset(key, params)
+    users, assistants, rewards, penalties = [], [], [], []
+    num_actions, done, success, warn, prev = 0, False, False, False, None
+    for t in range(cfg.max_turns):
+        if done:
+            break
+        u = prompts.turn_block(t + 1, env.render_text(state, fmt),
+                               cfg.max_actions_per_traj - num_actions, warning=warn, enable_think=True,
+                               max_words=cfg.max_words)
+        if t > 0:
+            u = prompts.reward_message(prev) + u
+        users.append(u)
+        full, plain, _ = replies[t]
+        assistants.append("<think>" + full)
+        actions, penalty = ref_parse(("<think>" + plain).encode(), env.action_names, cfg.max_actions_per_turn)
+        reward = 0.0
+        for a in actions:
+            if num_actions >= cfg.max_actions_per_traj:
+                break
+            k = jax.random.fold_in(key, num_actions + 1)
+            _, state, r, term, trunc, info = env.step_env(k, state, a, params)
+            num_actions += 1
+            reward += float(r)
+            if bool(term) or bool(trunc):
+                done = True
+                success = bool(info["success"]) and bool(term)
+                break
+        if num_actions >= cfg.max_actions_per_traj:
+            done = True
+        rewards.append(reward + (cfg.format_penalty if penalty else 0.0))
+        penalties.append(cfg.format_penalty if penalty else 0.0)
+        warn = not actions
+        prev = reward if actions else None
+    # The transcript's assistant contents exclude a sampled end-of-turn token (it is the close).
+    eot = framing.end_of_turn
+    contents = [a[: -len(eot)] if a.endswith(eot) else a for a in assistants]
+    text = framing.render(system, users, contents)
+    return dict(text=text, rewards=rewards, penalties=penalties, success=success, num_actions=num_actions)
+
+
+def scripted_replies(tok, names, rng, batch, turns, width, eot):
+    """Random replies from templates covering valid, invalid, unparsable and over-long answers."""
+    def pick():
+        return names[rng.integers(len(names))]
+
+    templates = [
+        lambda: f" go </think><answer>{pick()} || {pick()}</answer>",
+        lambda: f" hm </think> <answer> {pick().lower()} </answer>",
+        lambda: f"</think><answer>Jump || {pick()}</answer>",
+        lambda: " no tags at all",
+        lambda: f"</think><answer>{pick()}||{pick()}||{pick()}</answer>",
+        lambda: f"x</think>\n<answer>{pick().upper()}</answer> trailing",
+    ]
+    toks = np.zeros((batch, turns, width), np.int32)
+    lens = np.zeros((batch, turns), np.int32)
+    replies = []
+    for b in range(batch):
+        row = []
+        for t in range(turns):
+            text = templates[rng.integers(len(templates))]()
+            with_eot = bool(rng.integers(2))
+            full = text + (eot if with_eot else "")
+            ids = tok(full, add_special_tokens=False)["input_ids"]
+            assert len(ids) <= width
+            toks[b, t, : len(ids)] = ids
+            lens[b, t] = len(ids)
+            row.append((full, text, with_eot))
+        replies.append(row)
+    return ForcedReplies(tokens=jnp.asarray(toks), lengths=jnp.asarray(lens)), replies
+
+
+@pytest.mark.parametrize("env_name,env_kwargs,params_kwargs", [
+    ("frozen_lake", {}, {}),
+    ("sokoban", {}, {}),
+])
+def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kwargs):
+    tok = make_tokenizer("qwen")
+    env = environments.make(env_name, **env_kwargs)
+    params = env.default_params(**params_kwargs)
+    cfg = RolloutConfig(num_groups=3, group_size=2, max_turns=4, max_actions_per_turn=2, max_actions_per_traj=5,
+                        max_new_tokens=32, max_seq_len=1024, max_obs_tokens=96)
+    graphdef, weights = tiny_model(tok)
+    ro = make_rollout(graphdef, env, params, tok, cfg)
+    rng = np.random.default_rng(11)
+    forced, replies = scripted_replies(tok, env.action_names, rng, cfg.batch_size, cfg.max_turns, cfg.max_new_tokens,
+                                       ro.framing.end_of_turn)
+    key = jax.random.key(5)
+    traj = ro(weights, key, forced)
+
+    env_key, _ = jax.random.split(key)
+    env_keys = jnp.repeat(jax.random.split(env_key, cfg.num_groups), cfg.group_size, axis=0)
+    for b in range(cfg.batch_size):
+        ref = reference_episode(env, params, env_keys[b], replies[b], cfg, ro.framing, ro.system_text, ro.fmt)
+        n = int(traj.lengths[b])
+        assert decode(tok, traj.tokens[b, :n]) == ref["text"], b
+        k = len(ref["rewards"])
+        assert int(traj.num_turns[b]) == k
+        np.testing.assert_array_equal(np.asarray(traj.turn_mask[b]), np.arange(cfg.max_turns) < k)
+        np.testing.assert_allclose(np.asarray(traj.turn_rewards[b, :k]), ref["rewards"], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(traj.turn_format_penalty[b, :k]), ref["penalties"], atol=1e-6)
+        assert bool(traj.success[b]) == ref["success"]
+        assert int(traj.num_actions[b]) == ref["num_actions"]
+        np.testing.assert_allclose(float(traj.episode_return[b]), sum(ref["rewards"]), atol=1e-5)
+        # loss mask = exactly the scripted reply tokens, in order
+        sampled = np.asarray(traj.tokens[b])[np.asarray(traj.loss_mask[b])]
+        script = np.concatenate([np.asarray(forced.tokens[b, t, : forced.lengths[b, t]]) for t in range(k)])
+        np.testing.assert_array_equal(sampled, script)
+        # each turn's reward sits on its last sampled token
+        for t in range(k):
+            last = int(traj.turn_last_token[b, t])
+            assert traj.loss_mask[b, last] and not traj.loss_mask[b, last + 1]
+            assert float(traj.token_rewards[b, last]) == pytest.approx(ref["rewards"][t], abs=1e-5)
+        # MI spans: prompt_end right after the forced "<think>"; reasoning excludes the tags
+        for t in range(k):
+            pe = int(traj.prompt_end[b, t])
+            assert decode(tok, traj.tokens[b, :pe]).endswith("<think>")
+            full, plain, _ = replies[b][t]
+            rs, re_ = int(traj.reasoning_start[b, t]), int(traj.reasoning_end[b, t])
+            assert rs == pe
+            reasoning = decode(tok, traj.tokens[b, rs:re_])
+            if "</think>" in plain and THINK_RE.search(("<think>" + plain).encode()):
+                # token granularity: every token wholly inside the thought, and the next one
+                # already holds the start of "</think>"
+                thought = plain[: plain.index("</think>")]
+                assert thought.startswith(reasoning), (reasoning, plain)
+                assert not thought.startswith(decode(tok, traj.tokens[b, rs:re_ + 1])), (reasoning, plain)
+    assert not bool(jnp.any(traj.truncated))
+    np.testing.assert_array_equal(np.asarray(traj.group_ids), np.arange(cfg.batch_size) // cfg.group_size)
+
+
+def _full_forward_logprobs(graphdef, weights, tokens):
+    model = nnx.merge(graphdef, weights)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = model(tokens, positions)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]  # [B, L-1], entry t-1 scores token t
+
+
+def test_sampler_logprobs_equal_full_forward_and_determinism():
+    tok = make_tokenizer("qwen")
+    env = environments.make("frozen_lake")
+    params = env.default_params()
+    cfg = RolloutConfig(num_groups=2, group_size=2, max_turns=3, max_new_tokens=16, max_seq_len=768,
+                        max_obs_tokens=64)
+    graphdef, weights = tiny_model(tok, seed=3)
+    ro = make_rollout(graphdef, env, params, tok, cfg)
+    traj = ro(weights, jax.random.key(1))
+    assert int(jnp.sum(traj.num_turns)) > cfg.batch_size  # several turns appended to the cache
+    full = _full_forward_logprobs(graphdef, weights, traj.tokens)
+    mask = np.asarray(traj.loss_mask[:, 1:])
+    np.testing.assert_allclose(np.asarray(traj.sampler_logprobs[:, 1:])[mask], np.asarray(full)[mask], atol=1e-4)
+
+    again = ro(weights, jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(traj.tokens))
+    other = ro(weights, jax.random.key(2))
+    assert not np.array_equal(np.asarray(other.tokens), np.asarray(traj.tokens))
+
+
+def test_validation_keys_are_fixed_and_distinct():
+    a, b = validation_keys(8), validation_keys(8)
+    assert np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    assert len({tuple(np.asarray(k)) for k in jax.random.key_data(a)}) == 8
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="context_mode"):
+        RolloutConfig(context_mode="window")
+    with pytest.raises(ValueError, match="max_turns"):
+        RolloutConfig(max_turns=0)
+
+
+@pytest.mark.slow
+def test_batch_64_by_5_turns_on_cpu():
+    tok = make_tokenizer("qwen")
+    env = environments.make("sokoban")
+    cfg = RolloutConfig(num_groups=16, group_size=4, max_turns=5, max_new_tokens=24, max_seq_len=1280)
+    graphdef, weights = tiny_model(tok)
+    ro = make_rollout(graphdef, env, env.default_params(), tok, cfg)
+    traj = ro(weights, jax.random.key(0))
+    assert traj.tokens.shape[0] == 64
+    assert int(jnp.max(traj.num_turns)) == 5
+    assert bool(jnp.all(traj.lengths <= cfg.max_seq_len))
