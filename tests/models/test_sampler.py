@@ -60,11 +60,14 @@ def np_softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+sample_jit = jax.jit(sample_logits, static_argnums=3)
+
+
 def draw_many(logits_row, n, sampling, seed, candidates=128):
     """n draws from one row of logits, one uniform each (seeded)."""
     u = np.random.default_rng(seed).random(n, dtype=np.float32)
     tiled = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
-    return np.asarray(sample_logits(tiled, jnp.asarray(u), sampling, candidates))
+    return np.asarray(sample_jit(tiled, jnp.asarray(u), sampling, candidates))
 
 
 def chi_square_ok(samples, probs, alpha=1e-4):
@@ -110,7 +113,8 @@ def test_filter_logits_matches_numpy_sets_per_row():
     top_k = rng.integers(-1, 200, batch).astype(np.int32)
     top_p = rng.uniform(0.05, 1.2, batch).astype(np.float32)
     for candidates in (300, 64, 8):
-        out = np.asarray(filter_logits(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), candidates))
+        out = np.asarray(jax.jit(filter_logits, static_argnums=3)(
+            jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), candidates))
         for b in range(batch):
             keep, _ = np_allowed(logits[b], 1.0, int(top_k[b]), float(top_p[b]))
             np.testing.assert_array_equal(np.isfinite(out[b]), keep, err_msg=f"row {b}, candidates {candidates}")
@@ -132,14 +136,14 @@ def test_temperature_zero_is_greedy():
     u = rng.random(64, dtype=np.float32)
     expected = logits.argmax(-1)
     for k, p in [(0, 1.0), (5, 0.5)]:  # filters never change the argmax
-        got = sample_logits(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(0.0, k, p))
+        got = sample_jit(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(0.0, k, p), 128)
         np.testing.assert_array_equal(np.asarray(got), expected)
     # Per-row temperatures: greedy rows stay greedy while the others sample.
     temps = np.where(np.arange(64) % 2 == 0, 0.0, 1.0).astype(np.float32)
-    got = np.asarray(sample_logits(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(temps)))
+    got = np.asarray(sample_jit(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(temps), 128))
     np.testing.assert_array_equal(got[::2], expected[::2])
     # A very small positive temperature converges to greedy.
-    got = sample_logits(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(1e-4))
+    got = sample_jit(jnp.asarray(logits), jnp.asarray(u), SamplingConfig.create(1e-4), 128)
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
@@ -152,7 +156,7 @@ def test_inverse_cdf_skips_zero_weights_at_the_edges():
     weights[2, 255:257] = 1.0  # straddles a block edge
     weights[3, -1] = 1.0  # last token, partial last block
     for u in (0.0, 0.5, np.nextafter(np.float32(1), np.float32(0))):
-        got = np.asarray(sample_from_weights(jnp.asarray(weights), jnp.full((4,), u, jnp.float32)))
+        got = np.asarray(jax.jit(sample_from_weights)(jnp.asarray(weights), jnp.full((4,), u, jnp.float32)))
         assert (weights[np.arange(4), got] > 0).all(), (u, got)
 
 
@@ -167,11 +171,26 @@ def tiny_model(seed=0, vocab=61, tie=False):
     return cfg, Decoder(cfg, rngs=nnx.Rngs(seed))
 
 
+_REF_LEN = 48  # every reference sequence is padded to this length: one compilation per model
+
+
+@jax.jit
+def _causal_logits(graph, seq):
+    """float32 [1, L, V] cache-free causal forward (the decoder's other code path)."""
+    model = nnx.merge(*graph)
+    return model(seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None])[0]
+
+
 def full_logits(model, seq):
-    """float64 [V] next-token logits after `seq`, recomputing the whole sequence without a cache."""
-    seq = jnp.asarray(seq, jnp.int32)[None]
-    logits, _ = model(seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None])
-    return np.asarray(logits[0, -1], np.float64)
+    """float64 [V] next-token logits after `seq`, recomputing the whole sequence without a cache.
+
+    Causal attention makes the right padding invisible to the positions that matter.
+    """
+    assert len(seq) <= _REF_LEN
+    padded = np.zeros((1, _REF_LEN), np.int32)
+    padded[0, : len(seq)] = seq
+    logits = _causal_logits(nnx.split(model), jnp.asarray(padded))
+    return np.asarray(logits[0, len(seq) - 1], np.float64)
 
 
 def greedy_reference(model, prompt, n, stop_ids=(), stop_seqs=()):
@@ -193,6 +212,9 @@ def run_turn(model, cache, chunk, start, length, active, keys, sampling, stop_id
     return generate(model, cache, logits, start + length, active, keys, sampling, stop_ids, stop_seqs, n)
 
 
+run_turn_jit = jax.jit(run_turn, static_argnums=10)
+
+
 def test_ragged_prefill_and_greedy_generate_match_full_recompute():
     cfg, model = tiny_model()
     rng = np.random.default_rng(4)
@@ -204,7 +226,7 @@ def test_ragged_prefill_and_greedy_generate_match_full_recompute():
 
     cache = init_cache(cfg, batch, 32)
     # Fill each row's history first (ragged), then the chunk under test.
-    hist = np.zeros((batch, 5), np.int32)
+    hist = np.zeros((batch, chunk), np.int32)  # same chunk size: one prefill compilation
     for b, h in enumerate(history):
         hist[b, : len(h)] = h
     graph = nnx.split(model)
@@ -279,7 +301,7 @@ def test_stop_ids_and_sequences_stop_exactly():
 
     graph = nnx.split(model)
     cache = init_cache(cfg, batch, 32)
-    out = jax.jit(run_turn, static_argnums=10)(
+    out = run_turn_jit(
         graph, cache, prompt, np.zeros(batch, np.int32), np.full(batch, chunk, np.int32), np.ones(batch, bool),
         jax.random.split(jax.random.key(2), batch), SamplingConfig.greedy(), stop_ids, seqs, n)
     for b in range(batch):
@@ -300,11 +322,11 @@ def test_inactive_rows_generate_nothing_and_keep_their_cache():
     graph = nnx.split(model)
     cache = init_cache(cfg, batch, 16)
     prompt = np.arange(12, dtype=np.int32).reshape(batch, 4)
-    logits, cache = prefill(graph, cache, prompt, np.zeros(batch, np.int32), np.array([4, 4, 0], np.int32))
+    logits, cache = jax.jit(prefill)(graph, cache, prompt, np.zeros(batch, np.int32), np.array([4, 4, 0], np.int32))
     np.testing.assert_array_equal(np.asarray(logits[2]), 0.0)  # a row with no new token has no logits
-    out = generate(graph, cache, logits, np.array([4, 4, 0], np.int32), np.array([True, False, False]),
-                   jax.random.split(jax.random.key(3), batch), SamplingConfig.create(1.0), np.array([-1], np.int32),
-                   NO_SEQS, n)
+    out = jax.jit(generate, static_argnums=9)(
+        graph, cache, logits, np.array([4, 4, 0], np.int32), np.array([True, False, False]),
+        jax.random.split(jax.random.key(3), batch), SamplingConfig.create(1.0), np.array([-1], np.int32), NO_SEQS, n)
     np.testing.assert_array_equal(np.asarray(out.lengths), [n, 0, 0])
     np.testing.assert_array_equal(np.asarray(out.tokens[1:]), 0)
     # The inactive row's context (slots < start) is unchanged.
@@ -318,7 +340,7 @@ def test_first_token_frequencies_match_model_softmax():
     graph = nnx.split(model)
     prompt = np.tile(np.array([[1, 2, 3]], np.int32), (batch, 1))
     keys = jax.random.split(jax.random.key(4), batch)
-    out = jax.jit(run_turn, static_argnums=10)(
+    out = run_turn_jit(
         graph, init_cache(cfg, batch, 8), prompt, np.zeros(batch, np.int32), np.full(batch, 3, np.int32),
         np.ones(batch, bool), keys, SamplingConfig.create(1.0), np.array([-1], np.int32), NO_SEQS, 1)
     probs = np_softmax(full_logits(model, [1, 2, 3]))
@@ -332,7 +354,7 @@ def test_logprobs_are_temperature_one_even_when_filtered():
     batch, n = 4, 6
     graph = nnx.split(model)
     prompt = np.array([[3, 1, 4, 1]] * batch, np.int32)
-    out = jax.jit(run_turn, static_argnums=10)(
+    out = run_turn_jit(
         graph, init_cache(cfg, batch, 16), prompt, np.zeros(batch, np.int32), np.full(batch, 4, np.int32),
         np.ones(batch, bool), jax.random.split(jax.random.key(5), batch), SamplingConfig.create(0.6, 5, 0.8),
         np.array([-1], np.int32), NO_SEQS, n)
@@ -350,12 +372,11 @@ def test_logprobs_are_temperature_one_even_when_filtered():
 
 def test_per_row_keys_are_reproducible_and_distinct():
     cfg, model = tiny_model(seed=6)
-    cfg = cfg
     batch, n = 6, 8
     graph = nnx.split(model)
     prompt = np.tile(np.array([[5, 6, 7]], np.int32), (batch, 1))  # same prompt in every row
 
-    fn = jax.jit(run_turn, static_argnums=10)
+    fn = run_turn_jit
 
     def sample(keys):
         return fn(graph, init_cache(cfg, batch, 32), prompt, np.zeros(batch, np.int32), np.full(batch, 3, np.int32),
