@@ -125,6 +125,8 @@ def build_system_text(env, fmt: str, config: RolloutConfig, board_shape) -> str:
     """The system message for ``env`` as configured (legend and actions from the env itself)."""
     instruction = config.instruction
     if instruction is None:
+        instruction = getattr(env, "instruction", None)
+    if instruction is None:
         instruction = prompts.env_instruction(_env_name(env), fmt, board_shape)
     shows_grid = fmt in ("grid", "grid_coord")
     legend = env.legend() if shows_grid else None
@@ -160,6 +162,8 @@ class Rollout:
         max_obs_pieces = pieces_shape[0].shape[-1]
 
         max_obs_tokens = config.max_obs_tokens
+        if max_obs_tokens is None and hasattr(env, "max_obs_tokens"):
+            max_obs_tokens = env.max_obs_tokens
         if max_obs_tokens is None:
             max_obs_tokens = self._measure_obs_tokens(tokenizer, state_shape)
         self.framing = chat_framing(tokenizer)
@@ -259,7 +263,7 @@ class Rollout:
         cfg = nnx.merge(self.graphdef, params).cfg
         rows = jnp.arange(B)
 
-        _, state = jax.vmap(env.reset, in_axes=(0, None))(env_keys, ep)
+        _, state = self._reset_batch(env_keys)
         cache = init_cache(cfg, B, L)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
@@ -287,7 +291,7 @@ class Rollout:
 
         def turn(carry, t):
             # ---- user block --------------------------------------------------------------
-            pieces, n_pieces = jax.vmap(lambda s: env.render_pieces(s, ep, self.fmt))(carry["state"])
+            pieces, n_pieces = self._render_batch(carry["state"])
             actions_left = c.max_actions_per_traj - carry["num_actions"]
             ids, valid = jax.vmap(
                 lambda p, n, e, r, w, a: cd.turn_pieces(t, p, n, eot_emitted=e, reward_id=r, warning=w, actions_left=a)
@@ -360,9 +364,7 @@ class Rollout:
                 a = parsed.actions[:, k]
                 do = active & (k < parsed.n_valid) & (nact < c.max_actions_per_traj) & ~env_done
                 skeys = jax.vmap(lambda key, n: jax.random.fold_in(key, n + 1))(env_keys, nact)
-                _, nst, r, term, trunc, info = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(
-                    skeys, st, jnp.maximum(a, 0), ep)
-                st = jax.tree.map(lambda x, y: jnp.where(do.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), nst, st)
+                st, r, term, trunc, info = self._step_batch(skeys, st, jnp.maximum(a, 0), do)
                 ended = do & (term | trunc)
                 return (
                     st, nact + do, env_done | ended, rsum + jnp.where(do, r, 0.0),
@@ -444,6 +446,26 @@ class Rollout:
             truncated=carry["truncated"],
             context_start=pt["context_start"],
         )
+
+    # ---- batched env access (vmapped JAX env, or a HostEnv's single host call) ---------------
+    def _reset_batch(self, keys):
+        if hasattr(self.env, "reset_batch"):
+            return self.env.reset_batch(keys, self.env_params)
+        return jax.vmap(self.env.reset, in_axes=(0, None))(keys, self.env_params)
+
+    def _render_batch(self, state):
+        if hasattr(self.env, "render_batch"):
+            return self.env.render_batch(state, self.env_params, self.fmt)
+        return jax.vmap(lambda s: self.env.render_pieces(s, self.env_params, self.fmt))(state)
+
+    def _step_batch(self, keys, state, actions, do):
+        """One env step for the rows with ``do`` (the others keep their state)."""
+        if hasattr(self.env, "step_batch"):
+            return self.env.step_batch(keys, state, actions, self.env_params, do)
+        _, nst, r, term, trunc, info = jax.vmap(self.env.step_env, in_axes=(0, 0, 0, None))(
+            keys, state, actions, self.env_params)
+        nst = jax.tree.map(lambda x, y: jnp.where(do.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), nst, state)
+        return nst, r, term, trunc, info
 
     # ---- limited context window -------------------------------------------------------------
     def _window_first_turn(self, t):

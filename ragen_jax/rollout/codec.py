@@ -109,7 +109,8 @@ class TokenTable:
     def add_block(self, name: str, entries: Sequence) -> int:
         first = len(self.rows)
         if entries:
-            encoded = self.tokenizer(list(e for e in entries if isinstance(e, str)), add_special_tokens=False)["input_ids"]
+            strings = [e for e in entries if isinstance(e, str)]
+            encoded = self.tokenizer(strings, add_special_tokens=False)["input_ids"] if strings else []
             it = iter(encoded)
             for e in entries:
                 if isinstance(e, str):
@@ -121,10 +122,9 @@ class TokenTable:
                         )
                     self.rows.append(ids)
                     self.texts.append(e)
-                else:
-                    ids, text = self._row(e)
-                    self.rows.append(ids)
-                    self.texts.append(text)
+                else:  # token ids, kept as given
+                    self.rows.append([int(i) for i in e])
+                    self.texts.append("")
         self.index[name] = first
         return first
 
@@ -267,6 +267,9 @@ class PromptCodec:
         self.table_builder = t
         strip = framing.trims_content
 
+        if isinstance(env_pieces, str) and env_pieces == "tokens":
+            # Host environments hand over token ids: piece i is token i.
+            env_pieces = [(i,) for i in range(len(tokenizer))]
         self.env_offset = t.add_block("env", list(env_pieces))
         end_ids = encode(tokenizer, framing.assistant_end)
         eot_ids = encode(tokenizer, framing.end_of_turn)

@@ -1,0 +1,176 @@
+"""Python (non-JAX) environments in the on-device loop, through ``jax.experimental.io_callback``.
+
+Any object with ``reset(seed) -> text`` and ``step(action_text) -> (text, reward, done, info)``
+(gym-style, text in and out) runs in the same jitted rollout as the JAX environments. The model,
+parser and KV cache stay on device; only the environment step crosses to the host, once per action
+slot for the whole batch, with fixed-size padded token outputs (the host tokenises observations).
+
+Example — a custom environment::
+
+    class GuessNumber:
+        '''Guess a number in 1..4; the observation says "higher" or "lower".'''
+        def reset(self, seed):
+            self.target = 1 + seed % 4
+            return "Guess a number between 1 and 4."
+        def step(self, action):
+            guess = int(action)
+            done = guess == self.target
+            hint = "Correct!" if done else ("Higher." if guess < self.target else "Lower.")
+            return hint, float(done), done, {"success": done}
+
+    env = HostEnv(GuessNumber, tokenizer, action_names=("1", "2", "3", "4"), batch_size=B,
+                  instruction="Guess the hidden number. Answer like <answer>3</answer>.\\n")
+    rollout = make_rollout(graphdef, env, env.default_params(), tokenizer, RolloutConfig(...))
+
+``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
+``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
+same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
+the limit): silently cutting the state text would change what the model sees.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from environments.core import EnvParams
+
+
+@chex.dataclass(frozen=True)
+class HostEnvState:
+    obs_tokens: chex.Array  # int32 [max_obs_tokens] the current observation's tokens
+    obs_n: chex.Array  # int32 [] its length
+    time: chex.Array  # int32 [] steps taken
+
+
+class HostEnv:
+    """Adapter: a batch of Python text environments with the interface the rollout loop uses.
+
+    The loop calls the batched ``reset_batch`` / ``step_batch`` / ``render_batch`` (one host call
+    for all rows) instead of ``vmap`` over single-env functions.
+    """
+
+    name = "host"
+    observation_formats = ("text",)
+    observation_format = "text"
+
+    def __init__(
+        self,
+        make_env: Callable[[], Any],
+        tokenizer,
+        *,
+        action_names: tuple[str, ...],
+        batch_size: int,
+        max_obs_tokens: int = 256,
+        instruction: str = "",
+    ):
+        if not action_names:
+            raise ValueError("HostEnv needs action_names: the device parser matches replies against a fixed list")
+        self.make_env = make_env
+        self.tokenizer = tokenizer
+        self.action_names = tuple(action_names)
+        self.batch_size = batch_size
+        self.max_obs_tokens = max_obs_tokens
+        self.instruction = instruction
+        self.envs = [make_env() for _ in range(batch_size)]
+        self.piece_table = "tokens"  # observations arrive as token ids: the codec's identity table
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @property
+    def num_actions(self) -> int:
+        return len(self.action_names)
+
+    def check_format(self, fmt):
+        fmt = self.observation_format if fmt is None else fmt
+        if fmt != "text":
+            raise ValueError(f"HostEnv observations are text; observation_format must be 'text', got {fmt!r}")
+        return fmt
+
+    def legend(self) -> str:
+        return ""
+
+    def default_params(self) -> EnvParams:
+        return EnvParams(max_steps_in_episode=jnp.int32(1 << 30))
+
+    # ---- host side -----------------------------------------------------------------------
+    def _encode(self, text: str) -> tuple[np.ndarray, np.int32]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_obs_tokens:
+            raise ValueError(
+                f"HostEnv observation of {len(ids)} tokens exceeds max_obs_tokens={self.max_obs_tokens}; "
+                "raise max_obs_tokens"
+            )
+        out = np.full((self.max_obs_tokens,), self.pad_id, np.int32)
+        out[: len(ids)] = ids
+        return out, np.int32(len(ids))
+
+    def _host_reset(self, seeds):
+        seeds = np.asarray(seeds)
+        toks = np.zeros((len(seeds), self.max_obs_tokens), np.int32)
+        n = np.zeros((len(seeds),), np.int32)
+        for i, s in enumerate(seeds):
+            toks[i], n[i] = self._encode(self.envs[i].reset(int(s)))
+        return toks, n
+
+    def _host_step(self, actions, do):
+        actions, do = np.asarray(actions), np.asarray(do)
+        b = len(actions)
+        toks = np.zeros((b, self.max_obs_tokens), np.int32)
+        n = np.zeros((b,), np.int32)
+        reward = np.zeros((b,), np.float32)
+        flags = np.zeros((4, b), bool)  # done, success, valid, effective
+        for i in range(b):
+            if not do[i]:
+                continue
+            text, r, done, info = self.envs[i].step(self.action_names[int(actions[i])])
+            info = info or {}
+            toks[i], n[i] = self._encode(text)
+            reward[i] = r
+            flags[:, i] = (
+                bool(done), bool(info.get("success", bool(done) and r > 0)),
+                bool(info.get("action_is_valid", True)), bool(info.get("action_is_effective", True)),
+            )
+        return toks, n, reward, flags
+
+    # ---- device side (batched) -------------------------------------------------------------
+    def reset_batch(self, keys, params=None):
+        b = keys.shape[0]
+        seeds = jax.random.key_data(keys)[:, -1].astype(jnp.uint32)
+        shapes = (jax.ShapeDtypeStruct((b, self.max_obs_tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+        toks, n = io_callback(self._host_reset, shapes, seeds)
+        state = HostEnvState(obs_tokens=toks, obs_n=n, time=jnp.zeros((b,), jnp.int32))
+        return toks, state
+
+    def step_batch(self, keys, state: HostEnvState, actions, params, do):
+        """Step the rows with ``do``; the others keep their state. Returns
+        ``(state, reward, terminated, truncated, info)`` with ``[B]`` leaves."""
+        b = actions.shape[0]
+        shapes = (
+            jax.ShapeDtypeStruct((b, self.max_obs_tokens), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.float32),
+            jax.ShapeDtypeStruct((4, b), jnp.bool_),
+        )
+        toks, n, reward, flags = io_callback(self._host_step, shapes, actions.astype(jnp.int32), do)
+        new = HostEnvState(
+            obs_tokens=jnp.where(do[:, None], toks, state.obs_tokens),
+            obs_n=jnp.where(do, n, state.obs_n),
+            time=state.time + do.astype(jnp.int32),
+        )
+        info = {"success": flags[1], "action_is_valid": flags[2], "action_is_effective": flags[3]}
+        return new, reward, flags[0], jnp.zeros((b,), bool), info
+
+    def render_batch(self, state: HostEnvState, params=None, fmt=None):
+        return state.obs_tokens, state.obs_n
+
+    # Single-row views, for shape inspection (``jax.eval_shape``) by the rollout builder.
+    def reset(self, key, params=None):
+        toks, state = self.reset_batch(key[None], params)
+        return toks[0], jax.tree.map(lambda x: x[0], state)
+
+    def render_pieces(self, state: HostEnvState, params=None, fmt=None):
+        return state.obs_tokens, state.obs_n

@@ -1,0 +1,93 @@
+"""A custom gym-style Python environment in the jitted rollout (io_callback), against a plain loop.
+
+The custom env is the pattern users follow: ``reset(seed) -> text``,
+``step(action_text) -> (text, reward, done, info)``. Replies are scripted (``ForcedReplies``)
+from a fixed seed; the reference loop steps fresh instances of the same class in Python.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ragen_jax.rollout import prompts
+from ragen_jax.rollout.agent import RolloutConfig, make_rollout
+from ragen_jax.rollout.codec import decode
+from ragen_jax.rollout.host_env import HostEnv
+from tests.rollout.helpers import make_tokenizer
+from tests.rollout.test_agent import ref_parse, scripted_replies, tiny_model
+
+
+class Corridor:
+    """Walk along a corridor of 5 cells to the exit; -0.1 per step, +1 on reaching the exit."""
+
+    def reset(self, seed: int) -> str:
+        self.pos = 0
+        self.exit = 2 + seed % 3
+        return self._text()
+
+    def _text(self) -> str:
+        return f"You are at cell {self.pos}. The exit is at cell {self.exit}."
+
+    def step(self, action: str):
+        old = self.pos
+        self.pos = min(4, self.pos + 1) if action == "Forward" else max(0, self.pos - 1)
+        done = self.pos == self.exit
+        reward = 1.0 if done else -0.1
+        return self._text(), reward, done, {"success": done, "action_is_effective": self.pos != old}
+
+
+INSTRUCTION = "You are in a corridor. Reach the exit. Answer like <answer>Forward</answer>.\n"
+
+
+def test_host_env_rollout_matches_python_loop():
+    tok = make_tokenizer("qwen")
+    cfg = RolloutConfig(num_groups=3, group_size=2, max_turns=4, max_actions_per_turn=2, max_actions_per_traj=5,
+                        max_new_tokens=32, max_seq_len=1024)
+    env = HostEnv(Corridor, tok, action_names=("Forward", "Back"), batch_size=cfg.batch_size,
+                  max_obs_tokens=64, instruction=INSTRUCTION)
+    graphdef, weights = tiny_model(tok)
+    ro = make_rollout(graphdef, env, env.default_params(), tok, cfg)
+    rng = np.random.default_rng(4)
+    forced, replies = scripted_replies(tok, env.action_names, rng, cfg.batch_size, cfg.max_turns,
+                                       cfg.max_new_tokens, ro.framing.end_of_turn)
+    key = jax.random.key(9)
+    traj = ro(weights, key, forced)
+
+    env_key, _ = jax.random.split(key)
+    env_keys = jnp.repeat(jax.random.split(env_key, cfg.num_groups), cfg.group_size, axis=0)
+    seeds = np.asarray(jax.random.key_data(env_keys))[:, -1]
+    assert seeds[0] == seeds[1] and seeds[0] != seeds[2]  # same seed within a group
+    for b in range(cfg.batch_size):
+        e = Corridor()
+        obs = e.reset(int(seeds[b]))
+        users, assistants, rewards = [], [], []
+        n_act, done, success, warn, prev = 0, False, False, False, None
+        for t in range(cfg.max_turns):
+            if done:
+                break
+            u = prompts.turn_block(t + 1, obs, cfg.max_actions_per_traj - n_act, warning=warn, enable_think=True,
+                                   max_words=cfg.max_words)
+            users.append(u if t == 0 else prompts.reward_message(prev) + u)
+            full, plain, with_eot = replies[b][t]
+            assistants.append("<think>" + (full[: -len(ro.framing.end_of_turn)] if with_eot else full))
+            actions, penalty = ref_parse(("<think>" + plain).encode(), env.action_names, cfg.max_actions_per_turn)
+            reward = 0.0
+            for a in actions:
+                obs, r, d, info = e.step(env.action_names[a])
+                n_act += 1
+                reward += r
+                if d:
+                    done, success = True, info["success"]
+                    break
+                if n_act >= cfg.max_actions_per_traj:
+                    break
+            done = done or n_act >= cfg.max_actions_per_traj
+            rewards.append(reward + (cfg.format_penalty if penalty else 0.0))
+            warn, prev = not actions, (reward if actions else None)
+        text = ro.framing.render(ro.system_text, users, assistants)
+        assert decode(tok, traj.tokens[b, : int(traj.lengths[b])]) == text, b
+        np.testing.assert_allclose(np.asarray(traj.turn_rewards[b, : len(rewards)]), rewards, atol=1e-5)
+        assert int(traj.num_turns[b]) == len(rewards)
+        assert bool(traj.success[b]) == success
+        assert int(traj.num_actions[b]) == n_act
