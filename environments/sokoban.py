@@ -37,8 +37,8 @@ departure from RAGEN's level distribution.
 Cheap auto-reset. Under ``vmap`` a reset computed inside ``step`` and then selected costs every
 lane a full level generation on every step. ``step`` therefore routes the reset through a
 ``jax.custom_batching.custom_vmap`` function: unbatched it is a ``lax.cond`` on ``done``; batched,
-its rule gathers the lanes that finished and generates levels for them only, ``reset_chunk`` at a
-time in a loop whose trip count is ``ceil(#done / reset_chunk)`` (zero on most steps). Each lane's
+its rule gathers the lanes that finished and generates levels for them only, in chunks, in loops
+whose trip counts follow the number of finished lanes (zero when none finished). Each lane's
 new level depends only on that lane's key, so batched and unbatched steps agree exactly.
 
 State layout: ``grid`` holds *render codes* (0 wall, 1 floor, 2 empty target, 3 box on target, 4
@@ -530,10 +530,14 @@ def fallback_room(rows: int, cols: int, num_boxes: int) -> tuple[np.ndarray, np.
     return None
 
 
-def _make_reset_where(generate, chunk_for):
+def _make_reset_where(generate, chunks_for):
     """``reset_where(done, key) -> Level``: ``generate(key)`` where ``done``, zeros elsewhere.
 
-    Batched (``vmap``), only finished lanes are generated, ``chunk_for(batch)`` at a time.
+    Batched (``vmap``), only finished lanes are generated: first in chunks of ``big`` while at
+    least that many remain (episodes that end together, e.g. all truncated at ``max_steps``),
+    then in chunks of ``small`` (the few lanes that finish on a typical step), with
+    ``(big, small) = chunks_for(batch)``. Trip counts are data-dependent ``while`` loops at the
+    batch level, so a step where nothing finished generates nothing.
     """
 
     def zeros(key):
@@ -548,20 +552,24 @@ def _make_reset_where(generate, chunk_for):
         done_b, key_b = in_batched
         done = done if done_b else jnp.broadcast_to(done, (axis_size,))
         key = key if key_b else jnp.broadcast_to(key, (axis_size,) + key.shape)
-        chunk = chunk_for(axis_size)
-        n_chunks = -(-axis_size // chunk)
+        big, small = chunks_for(axis_size)
         # Finished lanes first; the padding index ``axis_size`` is dropped by the scatter below.
-        lanes = jnp.nonzero(done, size=n_chunks * chunk, fill_value=axis_size)[0]
+        lanes = jnp.nonzero(done, size=axis_size + small, fill_value=axis_size)[0]
         shapes = jax.eval_shape(generate, key[0])
         out = jax.tree.map(lambda s: jnp.zeros((axis_size,) + s.shape, s.dtype), shapes)
 
-        def body(i, out):
-            idx = jax.lax.dynamic_slice(lanes, (i * chunk,), (chunk,))
+        def fill(start, size, out):
+            idx = jax.lax.dynamic_slice(lanes, (start,), (size,))
             levels = jax.vmap(generate)(key[jnp.minimum(idx, axis_size - 1)])
             return jax.tree.map(lambda o, l: o.at[idx].set(l, mode="drop"), out, levels)
 
-        trips = (jnp.sum(done) + chunk - 1) // chunk
-        out = jax.lax.fori_loop(0, trips, body, out)
+        n = jnp.sum(done)
+        big_trips = n // big
+        out = jax.lax.fori_loop(0, big_trips, lambda i, o: fill(i * big, big, o), out)
+        rest = n - big_trips * big
+        out = jax.lax.fori_loop(
+            0, (rest + small - 1) // small, lambda i, o: fill(big_trips * big + i * small, small, o), out
+        )
         return out, jax.tree.map(lambda _: True, out)
 
     return reset_where
@@ -588,7 +596,8 @@ class Sokoban(Environment):
       bfs_sweeps: one-box BFS sweeps (default ``rows * cols * 2 // 3``: 24 for 6x6, above the 22
         measured as the most any of 20,000 rooms needed to converge; 42 for 8x8 (max 40 of 5,000)).
       num_walks, walk_length: reverse walks for several boxes (defaults 32 and ``3 * rows * cols``).
-      reset_chunk: levels generated per loop trip of the batched auto-reset (default batch // 64).
+      reset_chunk: levels per loop trip of the batched auto-reset when many episodes end together
+        (default ``min(64, batch // 16)``; the few that end on a typical step go 4 at a time).
     """
 
     name = "sokoban"
@@ -665,7 +674,7 @@ class Sokoban(Environment):
         self.grid_vocab = dict(grid_vocab)
         self._search = _OneBoxSearch(rows, cols) if self.num_boxes == 1 else None
         self._flood_iters = (rows - 2) * (cols - 2)  # a path visits each interior cell at most once
-        self._reset_where = _make_reset_where(self.generate, self._chunk_for)
+        self._reset_where = _make_reset_where(self.generate, self._chunks_for)
         self._build_pieces()
 
     # --- params -------------------------------------------------------------------------------
@@ -720,8 +729,10 @@ class Sokoban(Environment):
         fallback = Level(room_fixed=fixed, grid=grid, player=player)
         return jax.tree.map(lambda a, b: jnp.where(valid, a, b), level, fallback)
 
-    def _chunk_for(self, batch: int) -> int:
-        return max(1, min(batch, self.reset_chunk or batch // 64))
+    def _chunks_for(self, batch: int) -> tuple[int, int]:
+        """(big, small) auto-reset chunk sizes for a batch (see ``_make_reset_where``)."""
+        big = max(1, min(batch, self.reset_chunk or min(64, batch // 16)))
+        return big, min(4, big)
 
     # --- dynamics -------------------------------------------------------------------------------
     def _start(self, level: Level) -> SokobanState:
@@ -815,7 +826,7 @@ class Sokoban(Environment):
         fmt = self.check_format(fmt)
         rows, cols = self.dim_room
         grid = rows * (cols + 1) - 1
-        coord = 1 + len(self._headers) * (2 + 2 * rows * cols)
+        coord = 1 + len(self._headers) * (1 + 2 * rows * cols)
         return {"grid": grid, "coord": coord, "grid_coord": 2 + coord + grid}[fmt]
 
     def render_pieces(self, state: SokobanState, params=None, fmt: str | None = None):
