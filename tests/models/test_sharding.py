@@ -17,14 +17,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def test_sharded_forward_and_decode_match_unsharded_on_8_devices():
+def _run_check(*flags):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharding_check.py")], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharding_check.py"), *flags], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
-    assert proc.stdout.count("ok ") == 3, proc.stdout
+    return proc.stdout
+
+
+def test_sharded_forward_and_decode_match_unsharded_on_8_devices():
+    out = _run_check()
+    assert "ok activation constraint" in out and "ok scan_layers=False" in out, out
+
+
+@pytest.mark.slow
+def test_sharded_scan_layers_tied_model_on_8_devices():
+    out = _run_check("--scan")
+    assert "ok scan_layers=True tie=True" in out, out
 
 
 class _FakeMesh:
