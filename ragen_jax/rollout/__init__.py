@@ -1,0 +1,22 @@
+"""On-device multi-turn agent rollout: prompts, chat framing, codec, parser, the loop, host envs.
+
+    rollout = make_rollout(graphdef, env, env_params, tokenizer, RolloutConfig(...))
+    trajectory = rollout(params, jax.random.fold_in(key, step))
+"""
+from ragen_jax.rollout.agent import (
+    CONTEXT_MODES,
+    ForcedReplies,
+    Rollout,
+    RolloutConfig,
+    build_system_text,
+    make_rollout,
+    validation_keys,
+)
+from ragen_jax.rollout.chat import ChatFraming, chat_framing
+from ragen_jax.rollout.host_env import HostEnv
+from ragen_jax.rollout.trajectory import Trajectory
+
+__all__ = [
+    "CONTEXT_MODES", "ChatFraming", "ForcedReplies", "HostEnv", "Rollout", "RolloutConfig", "Trajectory",
+    "build_system_text", "chat_framing", "make_rollout", "validation_keys",
+]

@@ -228,3 +228,37 @@ def test_batch_64_by_5_turns_on_cpu():
     assert traj.tokens.shape[0] == 64
     assert int(jnp.max(traj.num_turns)) == 5
     assert bool(jnp.all(traj.lengths <= cfg.max_seq_len))
+
+
+@pytest.mark.slow
+def test_limited_window_logprobs_equal_forward_over_window():
+    """``limited`` mode: turn t's sampled log-probs equal one forward over preamble + the last
+    ``context_window`` turns (the context ``context_start`` describes), re-positioned from 0."""
+    tok = make_tokenizer("qwen")
+    env = environments.make("frozen_lake")
+    params = env.default_params(success_rate=1.0)
+    cfg = RolloutConfig(num_groups=2, group_size=1, max_turns=3, max_new_tokens=12, max_seq_len=768,
+                        max_obs_tokens=64, context_mode="limited", context_window=2)
+    graphdef, weights = tiny_model(tok, seed=5)
+    ro = make_rollout(graphdef, env, params, tok, cfg)
+    traj = ro(weights, jax.random.key(4))
+    p0 = len(ro.codec.preamble_ids)
+    model = nnx.merge(graphdef, weights)
+    checked = 0
+    for b in range(cfg.batch_size):
+        for t in range(cfg.max_turns):
+            if not traj.turn_mask[b, t]:
+                continue
+            cs = int(traj.context_start[b, t])
+            end = int(traj.turn_last_token[b, t]) + 1
+            ctx = np.concatenate([np.asarray(traj.tokens[b, :p0]), np.asarray(traj.tokens[b, cs:end])])
+            if t >= 2:
+                assert cs > int(traj.prompt_end[b, 0])  # turn 0 has left the window
+            logits, _ = model(jnp.asarray(ctx)[None], jnp.arange(len(ctx))[None])
+            logp = np.asarray(jax.nn.log_softmax(logits[0, :-1], -1))
+            sampled = np.nonzero(np.asarray(traj.loss_mask[b]) & (np.asarray(traj.turn_ids[b]) == t))[0]
+            for i in sampled:
+                j = i - cs + p0  # index of transcript token i inside ctx
+                np.testing.assert_allclose(logp[j - 1, ctx[j]], float(traj.sampler_logprobs[b, i]), atol=1e-4)
+                checked += 1
+    assert checked > 0
