@@ -347,21 +347,28 @@ def test_micro_batching_gives_the_same_update_end_to_end():
 @pytest.mark.parametrize("critic_mode", ["shared", "separate"])
 def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
     cfg = StarPOConfig(adv_estimator="gae", critic=critic_mode, mini_batch_size=8, micro_batch_size=4,
-                       actor_lr=1e-3, critic_lr=3e-2, use_kl_loss=True, kl_coef=0.1, logprob_chunk_size=8)
+                       actor_lr=1e-3, critic_lr=3e-2 if critic_mode == "shared" else 1e-2,
+                       use_kl_loss=True, kl_coef=0.1, logprob_chunk_size=8)
     policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
     critic = ValueHead(MODEL_CFG, rngs=nnx.Rngs(1)) if critic_mode == "shared" else Critic(MODEL_CFG, rngs=nnx.Rngs(1))
     graphdefs, state = U.init_train_state(policy, cfg, key=jax.random.key(0), critic=critic)
     update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(num_samples=8),
                                 group_size=GROUP_SIZE, donate=False)
+    # Returns predictable from the prompt (each group scores its index): a critic can fit them exactly,
+    # whereas random per-row scores leave the within-group variance irreducible at the first token.
     traj = random_traj(60)
+    last = np.asarray(traj.turn_last_token)[:, 0]
+    rewards = np.zeros((BATCH, SEQ_LEN), np.float32)
+    rewards[np.arange(BATCH), last] = np.arange(BATCH) // GROUP_SIZE
+    traj = traj.replace(token_rewards=jnp.asarray(rewards))
     state1, m = update(state, traj)
     # The reference is the initial policy: KL 0 before the first step.
     assert abs(float(m["actor/ref_kl"])) < 1e-6
     vf = [float(m["critic/vf_loss"])]
-    for _ in range(15):
+    for _ in range(40):
         state1, m = update(state1, traj)
         vf.append(float(m["critic/vf_loss"]))
-    assert vf[-1] < 0.5 * vf[0], vf
+    assert vf[-1] < 0.15 * vf[0], vf
     assert float(m["actor/kl_loss"]) != 0.0
     assert tree_max_abs_diff(state1.critic_params, state.critic_params) > 0
 
