@@ -66,6 +66,7 @@ def get_config() -> ConfigDict:
     c.mode = "train"  # train | eval
     c.workdir = "runs/default"  # TensorBoard events, checkpoints, eval JSONL, curve image
     c.seed = 0
+    c.compilation_cache_dir = "~/.cache/ragen_jax/xla"  # persistent XLA cache ("" = off)
 
     # --- environment ------------------------------------------------------------------------
     c.env = ConfigDict()

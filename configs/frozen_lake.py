@@ -43,8 +43,12 @@ def get_config():
     c.filter.strategy = "top_p"
     c.filter.value = 0.9
     c.filter.include_zero = False
-    c.collapse.num_samples = 16
+    # MI proxy every 5 steps on 8 reasoning samples; pairs are scored 32 at a time, reasoning
+    # spans capped at the reply budget (bounds the [x | z] buffers).
+    c.collapse.num_samples = 8
     c.collapse.compute_freq = 5
+    c.collapse.micro_batch_size = 32
+    c.collapse.max_reasoning_tokens = 40
 
     c.trainer.total_steps = 40
     c.trainer.eval_every = 10

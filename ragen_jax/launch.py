@@ -60,6 +60,13 @@ def main(argv) -> None:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax reports every save at INFO
+    cache = _CONFIG.value.get("compilation_cache_dir")
+    if cache:
+        # Compiled XLA programs persist across runs: a second run (or a resume) skips compilation.
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from ragen_jax.training.configuration import ConfigError, resolve
 
     if _DISTRIBUTED.value:

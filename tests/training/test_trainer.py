@@ -1,0 +1,142 @@
+"""End-to-end: warm-up → StarPO steps → TensorBoard → checkpoints → exact resume → eval JSONL.
+
+All runs use the tiny preset on FrozenLake with very small sizes and fixed seeds, so every run of
+this file sees the same numbers. Compiled programs go to a persistent XLA cache shared by the runs
+(the interrupted and resumed runs then skip compilation).
+"""
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from configs import frozen_lake
+from ragen_jax.training.configuration import resolve
+from ragen_jax.training.logging import read_events, read_scalars
+
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/ragen_jax/xla-tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def small_config(workdir, total_steps, **over):
+    c = frozen_lake.get_config()
+    c.workdir = str(workdir)
+    c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                             head_dim=16))
+    c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
+                          max_seq_len=400))
+    c.starpo.mini_batch_size = 4
+    c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
+    c.warmup.update(dict(steps=2, batch_size=4, num_states=4))
+    c.eval.num_episodes = 2
+    c.trainer.update(dict(total_steps=total_steps, eval_every=2, save_every=1, transcript_every=1,
+                          progress_bar=False))
+    for k, v in over.items():
+        section, key = k.split(".")
+        c[section][key] = v
+    return resolve(c)
+
+
+def _logged(workdir):
+    """Every scalar written, except wall-clock timings (which differ between any two runs)."""
+    return {k: v for k, v in read_scalars(Path(workdir) / "tensorboard").items()
+            if not k.startswith("timing_s/") and k != "warmup/seconds"}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    from ragen_jax.training.trainer import train
+
+    workdir = tmp_path_factory.mktemp("straight")
+    out = train(small_config(workdir, total_steps=2))
+    return workdir, out
+
+
+def test_smoke_metrics_checkpoints_transcripts(straight_run):
+    workdir, out = straight_run
+    events = read_events(workdir / "tensorboard")
+    families = {k.split("/")[0] for k in events}
+    for fam in ("train", "rollout", "actor", "collapse", "collapse_first_turn_sample", "collapse_trajectory_sample",
+                "early_stop", "timing_s", "val", "warmup", "transcripts"):
+        assert fam in families, (fam, sorted(families))
+    for key in ("train/success", "train/return", "train/valid_action_rate", "train/effective_action_rate",
+                "train/response_length", "rollout/filter_kept_ratio", "rollout/in_group_reward_std",
+                "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac",
+                "collapse_first_turn_sample/mi_estimate", "collapse_first_turn_sample/conditional_entropy_est",
+                "collapse_first_turn_sample/reasoning_entropy_est", "collapse_first_turn_sample/retrieval_accuracy",
+                "collapse_first_turn_sample/regime", "early_stop/reward_variance_collapse", "early_stop/mi_collapse",
+                "timing_s/rollout", "timing_s/update", "timing_s/tokens_per_s", "val/success", "warmup/loss"):
+        assert key in events, key
+    # Losses and gradients are finite at every step.
+    for key in ("actor/pg_loss", "actor/grad_norm", "warmup/loss", "train/return"):
+        assert all(math.isfinite(v) for _, v in events[key]), key
+    assert events["collapse/quadrant"][0][1] == "image"
+    assert events["transcripts/train"][0][1] == "text"
+    # Steps 1, 2 logged; validation before RL (step 0) and at step 2.
+    assert [s for s, _ in events["train/success"]] == [1, 2]
+    assert [s for s, _ in events["val/success"]] == [0, 2]
+    # Checkpoints: step 0 (after warm-up) and the last steps, keep_checkpoints=3.
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [0, 1, 2]
+    # Eval JSONL: one record per validation puzzle per evaluation, readable transcripts.
+    lines = (workdir / "eval" / "transcripts.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert len(recs) == 2 * 2 and {r["step"] for r in recs} == {0, 2}
+    for r in recs:
+        assert r["transcript"].startswith("<|im_start|>system\n") and "Turn 1:\nState:\n" in r["transcript"]
+        assert isinstance(r["success"], bool) and len(r["turn_rewards"]) == r["num_turns"]
+    assert (workdir / "learning_curve.png").stat().st_size > 0
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["summary"]["steps"] == 2.0
+
+
+def test_eval_mode_reproduces_final_validation(straight_run):
+    """``mode=eval`` restores the last checkpoint and re-scores the same fixed puzzles identically."""
+    from ragen_jax.training.evaluate import run_eval
+
+    workdir, out = straight_run
+    spec = small_config(workdir, total_steps=2, **{"trainer.resume": True})
+    cfg = spec.config
+    with cfg.unlocked():
+        cfg.mode = "eval"
+    metrics = run_eval(resolve(cfg))
+    final = dict(read_scalars(workdir / "tensorboard")["val/success"])[2]
+    assert metrics["val/success"] == pytest.approx(final, abs=1e-9)
+    assert (workdir / "eval" / "transcripts_step2.jsonl").exists()
+
+
+def _resume_matches(tmp_path, total, interrupt_at):
+    from ragen_jax.training.trainer import StopTraining, train
+
+    a = tmp_path / "a"
+    train(small_config(a, total_steps=total))
+    b = tmp_path / "b"
+
+    def interrupt(step, metrics):
+        if step == interrupt_at:
+            raise StopTraining
+
+    first = train(small_config(b, total_steps=total), step_callback=interrupt)
+    assert first["stop_reason"] == "interrupted by callback"
+    train(small_config(b, total_steps=total))  # resumes from b/checkpoints/interrupt_at
+    la, lb = _logged(a), _logged(b)
+    assert set(la) == set(lb)
+    for key in la:
+        va, vb = dict(la[key]), dict(lb[key])
+        assert sorted(va) == sorted(vb), key
+        for s in va:
+            assert abs(va[s] - vb[s]) <= 1e-6 * max(1.0, abs(va[s])), (key, s, va[s], vb[s])
+
+
+def test_resume_is_exact_short(tmp_path):
+    """2 steps straight == 1 step + interrupt + resume 1 step, for every logged metric."""
+    _resume_matches(tmp_path, total=2, interrupt_at=1)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_6_vs_3_plus_3(tmp_path):
+    """6 steps straight == 3 + interrupt + resume 3 (MI computed at steps 1, 2, 4, 6; eval at 2, 4, 6)."""
+    _resume_matches(tmp_path, total=6, interrupt_at=3)
