@@ -5,6 +5,7 @@ run sees the same matrices and samples.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -66,6 +67,27 @@ def make_batch(num_groups=4, group_size=4, turns=3, seed=0, empty_first=()):
             convs.append(Conversation(preamble=[7, 8], turns=conv_turns))
             gids.append(g)
     return build_trajectory(convs, gids)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_planted(c, num_groups):
+    def run(traj, copies, key):
+        # One compile serves both planted policies: the choice is a traced flag.
+        def planted(tokens):
+            return jnp.where(copies, copy_logprob_fn(tokens), ignore_logprob_fn(tokens))
+
+        return collapse.collapse_metrics(planted, traj, collapse.init_collapse_state(), key, c,
+                                         num_groups=num_groups)
+
+    return jax.jit(run)
+
+
+def run_planted(copies, traj, c, num_groups, seed=0):
+    """``collapse_metrics`` under a planted policy (compiled once: eager dispatch is slow on small CPUs)."""
+    return _jitted_planted(c, num_groups)(traj, jnp.asarray(copies), jax.random.key(seed))
+
+
+_jit_estimates = jax.jit(collapse.mi_estimates, static_argnames=("ema", "std_eps"))
 
 
 def cfg(**kw):
@@ -151,7 +173,7 @@ def test_estimates_match_numpy_rederivation(seed):
     l_mean, l_sum, z_valid, x_valid, true_col, equiv = _random_case(seed)
     c = cfg()
     state = collapse.init_mi_state()
-    got, state = collapse.mi_estimates(
+    got, state = _jit_estimates(
         jnp.asarray(l_sum, jnp.float32), jnp.asarray(l_mean, jnp.float32), jnp.asarray(z_valid),
         jnp.asarray(x_valid), jnp.asarray(true_col, jnp.int32), jnp.asarray(equiv), state,
         ema=c.ema, std_eps=c.std_eps)
@@ -161,7 +183,7 @@ def test_estimates_match_numpy_rederivation(seed):
         np.testing.assert_allclose(float(got[k]), v, rtol=2e-5, atol=2e-5, err_msg=k)
     # Second computation: the EMA of the marginal std advances from the first value.
     l_mean2, l_sum2, *_ = _random_case(seed + 100)
-    got2, _ = collapse.mi_estimates(
+    got2, _ = _jit_estimates(
         jnp.asarray(l_sum2, jnp.float32), jnp.asarray(l_mean2, jnp.float32), jnp.asarray(z_valid),
         jnp.asarray(x_valid), jnp.asarray(true_col, jnp.int32), jnp.asarray(equiv), state,
         ema=c.ema, std_eps=c.std_eps)
@@ -173,7 +195,7 @@ def test_estimates_match_numpy_rederivation(seed):
 
 def test_identity_mi_equals_entropy_difference():
     l_mean, l_sum, z_valid, x_valid, true_col, equiv = _random_case(3)
-    got, _ = collapse.mi_estimates(
+    got, _ = _jit_estimates(
         jnp.asarray(l_sum, jnp.float32), jnp.asarray(l_mean, jnp.float32), jnp.asarray(z_valid),
         jnp.asarray(x_valid), jnp.asarray(true_col, jnp.int32), jnp.asarray(equiv),
         collapse.init_mi_state(), ema=0.9, std_eps=1e-3)
@@ -187,14 +209,14 @@ def test_identical_prompts_count_as_retrieval_hits():
     # Row 0's own column is 0, the argmax is column 1; columns 0 and 1 hold the same prompt.
     l = np.array([[-3.0, -1.0, -5.0], [-4.0, -6.0, -1.0]])
     equiv = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 1]], bool)
-    got, _ = collapse.mi_estimates(
+    got, _ = _jit_estimates(
         jnp.asarray(l), jnp.asarray(l), jnp.ones(2, bool), jnp.ones(3, bool), jnp.array([0, 2]),
         jnp.asarray(equiv), collapse.init_mi_state(), ema=0.9, std_eps=1e-3)
     assert float(got["retrieval_accuracy"]) == 1.0
     # Chance: row 0 shares its signature with 2 of 3 columns, row 1 with 1 of 3.
     np.testing.assert_allclose(float(got["retrieval_chance_level"]), (2 / 3 + 1 / 3) / 2, rtol=1e-6)
     # Without the equivalence the first row is a miss.
-    got, _ = collapse.mi_estimates(
+    got, _ = _jit_estimates(
         jnp.asarray(l), jnp.asarray(l), jnp.ones(2, bool), jnp.ones(3, bool), jnp.array([0, 2]),
         jnp.eye(3, dtype=bool), collapse.init_mi_state(), ema=0.9, std_eps=1e-3)
     assert float(got["retrieval_accuracy"]) == 0.5
@@ -203,7 +225,7 @@ def test_identical_prompts_count_as_retrieval_hits():
 def test_fewer_than_two_prompts_gives_zeros_not_nans():
     l = np.array([[-1.0, -2.0], [-1.5, -0.5]])
     state = collapse.init_mi_state()
-    got, new_state = collapse.mi_estimates(
+    got, new_state = _jit_estimates(
         jnp.asarray(l), jnp.asarray(l), jnp.ones(2, bool), jnp.array([True, False]), jnp.array([0, 0]),
         jnp.eye(2, dtype=bool), state, ema=0.9, std_eps=1e-3)
     assert float(got["computed"]) == 0.0
@@ -256,17 +278,20 @@ def test_cross_matrix_matches_explicit_concatenation():
 # Pair sampling
 
 
+_first_turn = jax.jit(collapse.sample_first_turn, static_argnums=(2, 3))
+
+
 def test_first_turn_sample_is_without_replacement_over_valid_rows():
     traj = make_batch(num_groups=4, group_size=4, empty_first=(1, 2, 9))
     for seed in range(5):
-        s = collapse.sample_first_turn(jax.random.key(seed), traj, num_samples=10, num_groups=4)
+        s = _first_turn(jax.random.key(seed), traj, 10, 4)
         rows = np.asarray(s.z_rows)[np.asarray(s.z_valid)]
         assert len(rows) == 10 and len(set(rows.tolist())) == 10
         assert not set(rows.tolist()) & {1, 2, 9}
         np.testing.assert_array_equal(np.asarray(s.true_col)[np.asarray(s.z_valid)], rows // 4)
         assert bool(s.consistent)
     # More slots than valid rows: all 13 valid rows once, the rest masked out.
-    s = collapse.sample_first_turn(jax.random.key(0), traj, num_samples=16, num_groups=4)
+    s = _first_turn(jax.random.key(0), traj, 16, 4)
     assert sorted(np.asarray(s.z_rows)[np.asarray(s.z_valid)].tolist()) == sorted(set(range(16)) - {1, 2, 9})
 
 
@@ -298,8 +323,7 @@ def test_trajectory_sample_draws_only_valid_turns():
 
 def test_planted_copying_policy_has_mi_near_log_n_and_perfect_retrieval():
     traj = make_batch(num_groups=4, group_size=4, turns=3)
-    m, _ = collapse.collapse_metrics(copy_logprob_fn, traj, collapse.init_collapse_state(),
-                                     jax.random.key(0), cfg(), num_groups=4)
+    m, _ = run_planted(True, traj, cfg(), 4)
     ft = "collapse_first_turn_sample/"
     assert float(m[ft + "num_prompts"]) == 4
     np.testing.assert_allclose(float(m[ft + "mi_upper_bound"]), math.log(4), rtol=1e-6)
@@ -316,8 +340,7 @@ def test_planted_copying_policy_has_mi_near_log_n_and_perfect_retrieval():
 
 def test_planted_prompt_blind_policy_has_zero_mi_and_chance_retrieval():
     traj = make_batch(num_groups=4, group_size=4, turns=3)
-    m, _ = collapse.collapse_metrics(ignore_logprob_fn, traj, collapse.init_collapse_state(),
-                                     jax.random.key(0), cfg(), num_groups=4)
+    m, _ = run_planted(False, traj, cfg(), 4)
     for kind in ("collapse_first_turn_sample/", "collapse_trajectory_sample/"):
         assert abs(float(m[kind + "mi_estimate"])) < 1e-5
         assert abs(float(m[kind + "mi_seq_estimate"])) < 1e-4
