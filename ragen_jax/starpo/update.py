@@ -13,8 +13,12 @@ Inside that one compiled function, top to bottom (spec §5.1):
   4. episode scores → reward normalisation → (optional KL-in-reward) → advantages and returns;
   5. ``ppo_epochs`` × mini-batches (``lax.scan``), each an optimizer step whose gradient is
      accumulated over micro-batches (``lax.scan``) from (numerator, denominator) losses, so
-     token-mean stays exact under accumulation: clipped policy loss − entropy bonus + KL loss, and the
-     clipped value loss on the critic;
+     token-mean stays exact under accumulation (not the original's per-micro-batch mean, §5.4 ⚠):
+     clipped policy loss − entropy bonus + KL loss, and the clipped value loss on the critic. Rows
+     are permuted so the kept ones come first: mini-batches made only of filtered-out rows have no
+     token and are skipped, so the number of optimizer steps follows the kept batch; a last, partly
+     filled mini-batch is averaged over its own tokens (the original instead pads the batch with
+     duplicated samples, §5.1 ⚠, which biases group statistics);
   6. global-norm clipping → AdamW with linear warm-up; a non-finite gradient, a mini-batch with no
      kept token, or a batch the filter emptied leaves parameters and optimizer state untouched and is
      counted;
@@ -401,7 +405,6 @@ def make_update_step(
         diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
         metrics["actor/sampler_logprob_abs_diff_mean"] = adv_lib.masked_mean(diff, sampled)
         metrics["actor/sampler_logprob_abs_diff_max"] = jnp.max(jnp.where(sampled, diff, 0.0))
-        metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], loss_mask, cfg.loss_agg_mode)
         if cfg.uses_reference:
             metrics["actor/ref_kl"] = adv_lib.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
 
@@ -435,6 +438,8 @@ def make_update_step(
         kept = row_w > 0
         train_mask = loss_mask & kept[:, None]
         empty = filt.is_empty
+        # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
+        metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.loss_agg_mode)
 
         # 4. Rewards and advantages.
         norm_scores = adv_lib.normalize_scores(scores, method=cfg.reward_norm, group_size=group_size,
