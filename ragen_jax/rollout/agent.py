@@ -195,8 +195,11 @@ class Rollout:
 
         self.stop_ids = jnp.asarray([self.codec.eot_id], jnp.int32)
         if config.stop_at_answer:
-            seq = codec_lib.encode(tokenizer, "</answer>")
-            self.stop_sequences = jnp.asarray([seq], jnp.int32)
+            # The closing tag as tokenised alone and after a space (BPE merges the space in); a
+            # reply that closes the tag with another split simply runs on to end-of-turn.
+            seqs = {tuple(codec_lib.encode(tokenizer, s)) for s in ("</answer>", " </answer>")}
+            width = max(len(q) for q in seqs)
+            self.stop_sequences = jnp.asarray([list(q) + [-1] * (width - len(q)) for q in sorted(seqs)], jnp.int32)
         else:
             self.stop_sequences = jnp.zeros((0, 0), jnp.int32)
 
@@ -256,10 +259,21 @@ class Rollout:
         env_key, sample_key = jax.random.split(key)
         group_keys = jax.random.split(env_key, c.num_groups)
         env_keys = jnp.repeat(group_keys, c.group_size, axis=0)
+        if forced is not None:
+            self._check_forced(forced, env_keys.shape[0])
         return self._run(params, env_keys, sample_key, forced)
 
     def run(self, params, env_keys, sample_key, forced: ForcedReplies | None = None) -> Trajectory:
         return self._run(params, env_keys, sample_key, forced)
+
+    def _check_forced(self, forced, batch):
+        c = self.config
+        if forced.tokens.ndim != 3 or forced.tokens.shape[:2] != (batch, c.max_turns) or \
+                forced.tokens.shape[2] > c.max_new_tokens or forced.lengths.shape != (batch, c.max_turns):
+            raise ValueError(
+                f"ForcedReplies must hold tokens [B={batch}, T={c.max_turns}, N<={c.max_new_tokens}] and lengths "
+                f"[B, T]; got tokens {forced.tokens.shape}, lengths {forced.lengths.shape}"
+            )
 
     # ---------------------------------------------------------------------------------------
     def _rollout(self, params, env_keys, sample_key, forced):

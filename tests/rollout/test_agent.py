@@ -119,7 +119,7 @@ def scripted_replies(tok, names, rng, batch, turns, width, eot):
 
 @pytest.mark.parametrize("env_name,env_kwargs,params_kwargs", [
     ("frozen_lake", {}, {}),
-    ("sokoban", {}, {}),
+    pytest.param("sokoban", {}, {}, marks=pytest.mark.slow),  # the level generator compiles slowly
 ])
 def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kwargs):
     tok = make_tokenizer("qwen")

@@ -67,8 +67,16 @@ def _host_state(states, i):
     return jax.tree.map(lambda x: x[i], states)
 
 
-@pytest.mark.parametrize("style", ["qwen", "llama3"])
-@pytest.mark.parametrize("name,kwargs,fmt", CASES)
+# A few combinations run by default; the full env × format × template sweep is marked slow.
+FAST = {("sokoban", "grid", "qwen"), ("frozen_lake", "coord", "llama3"), ("bandit", "text", "qwen")}
+SWEEP = [
+    pytest.param(name, kwargs, fmt, style, marks=() if (name, fmt, style) in FAST else pytest.mark.slow)
+    for name, kwargs, fmt in CASES
+    for style in ("qwen", "llama3")
+]
+
+
+@pytest.mark.parametrize("name,kwargs,fmt,style", SWEEP)
 def test_turn_chunk_decodes_to_host_text(name, kwargs, fmt, style):
     tok = make_tokenizer(style)
     env = environments.make(name, **kwargs)
