@@ -27,7 +27,7 @@ from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.kv_cache import KVCache, init_cache, write_layer
 
 __all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
-           "apply_rope", "KVCache", "init_cache"]
+           "rope_tables", "apply_rope", "KVCache", "init_cache"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -56,14 +56,20 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [B, T, N, Hd] by its positions [B, T] (rotate_half: pairs are (i, i + Hd/2))."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, Hd] for positions [B, T]; computed once per forward and shared by all layers.
+
+    Angles are float32 (as HF computes them) and cast to the compute dtype afterwards.
+    """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Hd]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, N, Hd] (rotate_half convention: dims i and i + Hd/2 form a pair)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
@@ -94,9 +100,10 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, H * Hd, D, cfg.o_bias, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None,
-                 layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, D], positions int32 [B, T] -> ([B, T, D], cache with this layer's slots written).
+    def __call__(self, x: jax.Array, positions: jax.Array, rope: tuple[jax.Array, jax.Array],
+                 cache: KVCache | None, layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, D], positions int32 [B, T], rope = rope_tables(positions) ->
+        ([B, T, D], cache with this layer's slots written).
 
         Without a cache, attention is causal over the T axis (positions only drive RoPE). With one,
         the new keys/values go to slots `positions` of layer `layer` and query [b, t] sees the slots
@@ -104,9 +111,8 @@ class Attention(nnx.Module):
         """
         cfg = self.cfg
         B, T, _ = x.shape
-        inv_freq = rope_frequencies(cfg)  # a trace-time constant, not state
-        q = apply_rope(self.q_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(self.k_proj(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        q = apply_rope(self.q_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim), *rope)
+        k = apply_rope(self.k_proj(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim), *rope)
         v = self.v_proj(x).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cache is None:
             mask = jnp.tril(jnp.ones((T, T), bool))[None]  # [1, T, T]
@@ -158,18 +164,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = _rms_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None,
-                 layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, rope: tuple[jax.Array, jax.Array],
+                 cache: KVCache | None, layer: int | jax.Array) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D] -> ([B, T, D], cache)."""
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer)
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, rope, cache, layer)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
 
 
-def _run_layer(graphdef, state, x, positions, cache, layer):
+def _run_layer(graphdef, state, x, positions, rope, cache, layer):
     """A layer as a pure function of its weights (what `lax.scan` and `jax.checkpoint` need)."""
-    return nnx.merge(graphdef, state)(x, positions, cache, layer)
+    return nnx.merge(graphdef, state)(x, positions, rope, cache, layer)
 
 
 class Decoder(nnx.Module):
@@ -210,6 +216,7 @@ class Decoder(nnx.Module):
                              "build it with init_cache(cfg, batch, max_len).")
         positions = positions.astype(jnp.int32)
         x = self.embed_tokens(tokens).astype(cfg.compute_dtype)
+        rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
             step = jax.checkpoint(_run_layer, static_argnums=(0,)) if cfg.remat else _run_layer
@@ -217,17 +224,17 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 x, cache = carry
                 state, layer = xs
-                return step(graphdef, state, x, positions, cache, layer), None
+                return step(graphdef, state, x, positions, rope, cache, layer), None
 
             (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
         else:
             for i, layer in enumerate(self.layers):
                 if cfg.remat:
                     graphdef, state = nnx.split(layer)
-                    x, cache = jax.checkpoint(_run_layer, static_argnums=(0, 5))(
-                        graphdef, state, x, positions, cache, i)
+                    x, cache = jax.checkpoint(_run_layer, static_argnums=(0, 6))(
+                        graphdef, state, x, positions, rope, cache, i)
                 else:
-                    x, cache = layer(x, positions, cache, i)
+                    x, cache = layer(x, positions, rope, cache, i)
         return self.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

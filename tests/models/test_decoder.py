@@ -113,7 +113,7 @@ def test_greedy_decode_matches_transformers(family, qwen2, llama):
     np.testing.assert_array_equal(ours, ref.torch_greedy(torch_model, prompt, 32))
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_token_by_token_cache_equals_full_recompute(qwen2, scan_layers):
     cfg, model = _ours(qwen2, scan_layers=scan_layers)
     tokens = _tokens(3, 10, cfg.vocab_size, seed=7)
@@ -127,7 +127,7 @@ def test_token_by_token_cache_equals_full_recompute(qwen2, scan_layers):
     np.testing.assert_allclose(np.stack(steps, axis=1), np.asarray(full), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_ragged_chunked_prefill_equals_full_recompute(llama, scan_layers):
     """Fixed-size chunks written at per-row positions with per-row valid lengths; the padding of
     each chunk is garbage that the next chunk overwrites. Every real token's logits must equal the
