@@ -10,6 +10,7 @@ from ragen_jax.rollout.agent import (
     RolloutConfig,
     build_system_text,
     make_rollout,
+    rollout_metrics,
     validation_keys,
 )
 from ragen_jax.rollout.chat import ChatFraming, chat_framing
@@ -18,5 +19,5 @@ from ragen_jax.rollout.trajectory import Trajectory
 
 __all__ = [
     "CONTEXT_MODES", "ChatFraming", "ForcedReplies", "HostEnv", "Rollout", "RolloutConfig", "Trajectory",
-    "build_system_text", "chat_framing", "make_rollout", "validation_keys",
+    "build_system_text", "chat_framing", "make_rollout", "rollout_metrics", "validation_keys",
 ]

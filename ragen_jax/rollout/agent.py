@@ -36,8 +36,6 @@ taken so far, so rows of a group that take the same actions see the same stochas
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -529,6 +527,32 @@ class Rollout:
             return prefill(model, cache, hist, jnp.full((B,), P0, jnp.int32), kept)[1]
 
         return jax.lax.cond(first > 0, rebuild, lambda cache: cache, cache)
+
+
+def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
+    """Episode metrics of a batch (spec §4.6), means over episodes; ``pass@k`` over groups of ``k``.
+
+    ``success``, ``num_actions``, ``valid_action_rate`` (turns whose parsed actions were all valid),
+    ``effective_action_rate`` (executed actions that changed the state), ``response_length``
+    (sampled tokens per episode), ``num_turns``, ``episode_return``, ``format_penalty`` (mean
+    per-episode sum), ``truncated`` (episodes cut by ``max_seq_len``).
+    """
+    f = lambda x: jnp.mean(jnp.asarray(x, jnp.float32))
+    groups = traj.success.reshape(-1, group_size)
+    out = {
+        "success": f(traj.success),
+        "num_actions": f(traj.num_actions),
+        "valid_action_rate": f(traj.valid_action_rate),
+        "effective_action_rate": f(traj.effective_action_rate),
+        "response_length": f(traj.response_length),
+        "num_turns": f(traj.num_turns),
+        "episode_return": f(traj.episode_return),
+        "format_penalty": f(jnp.sum(traj.turn_format_penalty, axis=1)),
+        f"pass@{group_size}": f(jnp.any(groups, axis=1)),
+    }
+    if traj.truncated is not None:
+        out["truncated"] = f(traj.truncated)
+    return out
 
 
 def make_rollout(graphdef, env, env_params, tokenizer, config: RolloutConfig) -> Rollout:

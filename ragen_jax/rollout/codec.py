@@ -303,6 +303,7 @@ class PromptCodec:
         self.max_int = max_int
         scale = 10**reward_decimals
         self.reward_kmax = int(round(reward_limit * scale))
+        self.reward_limit = self.reward_kmax / scale
         self.reward_offset = t.add_block(
             "rewards", [prompts.reward_text(k / scale, reward_decimals) for k in range(-self.reward_kmax, self.reward_kmax + 1)]
         )
@@ -394,5 +395,5 @@ class PromptCodec:
             t + 1, state_text, actions_left, warning=warning, enable_think=self.enable_think, max_words=self.max_words
         )
         if t > 0:
-            text = prompts.reward_message(prev_reward, self.reward_decimals) + text
+            text = prompts.reward_message(prev_reward, self.reward_decimals, self.reward_limit) + text
         return text

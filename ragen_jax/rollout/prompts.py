@@ -139,7 +139,7 @@ def turn_block(
     )
 
 
-def reward_text(reward: float | None, decimals: int = 1) -> str:
+def reward_text(reward: float | None, decimals: int = 1, limit: float | None = None) -> str:
     """The reward as printed in ``"Reward:\\n{r}\\n"``.
 
     ``None`` means the environment was not stepped (no valid action): the original printed its
@@ -150,8 +150,11 @@ def reward_text(reward: float | None, decimals: int = 1) -> str:
     """
     if reward is None:
         return "0"
-    return repr(round(float(reward), decimals) + 0.0)
+    value = round(float(reward), decimals)
+    if limit is not None:  # the device table's range (codec.PromptCodec)
+        value = min(max(value, -limit), limit)
+    return repr(value + 0.0)
 
 
-def reward_message(reward: float | None, decimals: int = 1) -> str:
-    return f"Reward:\n{reward_text(reward, decimals)}\n"
+def reward_message(reward: float | None, decimals: int = 1, limit: float | None = None) -> str:
+    return f"Reward:\n{reward_text(reward, decimals, limit)}\n"

@@ -262,3 +262,33 @@ def test_limited_window_logprobs_equal_forward_over_window():
                 np.testing.assert_allclose(logp[j - 1, ctx[j]], float(traj.sampler_logprobs[b, i]), atol=1e-4)
                 checked += 1
     assert checked > 0
+
+
+def test_rollout_metrics_against_numpy():
+    from ragen_jax.rollout import rollout_metrics
+    from ragen_jax.rollout.trajectory import Trajectory
+
+    rng = np.random.default_rng(2)
+    B, T, L = 6, 3, 8
+    success = np.array([1, 0, 0, 0, 1, 1], bool)
+    pen = -0.1 * (rng.random((B, T)) < 0.5)
+    arr = lambda x: jnp.asarray(x)
+    traj = Trajectory(
+        tokens=arr(np.zeros((B, L), np.int32)), valid_mask=arr(np.ones((B, L), bool)),
+        loss_mask=arr(np.zeros((B, L), bool)), sampler_logprobs=arr(np.zeros((B, L), np.float32)),
+        turn_ids=arr(np.zeros((B, L), np.int32)), token_rewards=arr(np.zeros((B, L), np.float32)),
+        turn_rewards=arr(np.zeros((B, T), np.float32)), turn_format_penalty=arr(pen.astype(np.float32)),
+        turn_mask=arr(np.ones((B, T), bool)), turn_last_token=arr(np.zeros((B, T), np.int32)),
+        prompt_end=arr(np.zeros((B, T), np.int32)), reasoning_start=arr(np.zeros((B, T), np.int32)),
+        reasoning_end=arr(np.zeros((B, T), np.int32)), group_ids=arr(np.arange(B) // 2),
+        episode_return=arr(rng.random(B).astype(np.float32)), success=arr(success),
+        num_turns=arr(np.full(B, 3, np.int32)), num_actions=arr(rng.integers(0, 6, B).astype(np.int32)),
+        valid_action_rate=arr(rng.random(B).astype(np.float32)),
+        effective_action_rate=arr(rng.random(B).astype(np.float32)),
+        response_length=arr(rng.integers(0, 50, B).astype(np.int32)), truncated=arr(np.zeros(B, bool)),
+    )
+    m = rollout_metrics(traj, group_size=2)
+    assert float(m["pass@2"]) == pytest.approx(2 / 3)  # groups (1,0), (0,0), (1,1)
+    assert float(m["success"]) == pytest.approx(0.5)
+    assert float(m["format_penalty"]) == pytest.approx(pen.sum(1).mean(), abs=1e-6)
+    assert float(m["num_actions"]) == pytest.approx(np.asarray(traj.num_actions).mean())
