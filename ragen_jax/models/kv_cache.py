@@ -4,7 +4,14 @@ Slot semantics (the contract every caller relies on): token `[b, t]` at position
 is written to slot `p` of row `b`, and it attends to every slot `<= p` of that row. Writes at
 positions outside `[0, max_len)` are dropped. Each row therefore has its own write position and a
 ragged batch needs no extra mask: padding written beyond a row's valid length sits in slots that the
-row's next real token overwrites before any query can see them.
+row's next real token overwrites before any query can see them. Positions within one row of one
+call must be distinct (a chunk is `start + arange(C)`); two tokens sent to the same slot leave one
+of them, unspecified which.
+
+The cache is stacked over layers, [L, B, S, K, Hd]. Each layer scatters its new keys/values into
+its slice and then reads the slice back for attention; because the next layer's keys depend on
+that read, XLA orders every read before the next write and updates the buffer in place (checked
+on the compiled decode loop: no per-step copy of the cache).
 """
 from __future__ import annotations
 

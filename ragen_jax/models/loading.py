@@ -256,6 +256,10 @@ def gguf_config_dict(reader) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF tensor 'rope_freqs.weight' (Llama 3.1-style per-frequency RoPE factors) is not "
+                         "supported; load the model from its HF directory, whose config.json rope_scaling "
+                         "(rope_type 'llama3') is.")
     scaling = get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(get(f"{arch}.rope.scaling.factor", 1.0))}

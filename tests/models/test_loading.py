@@ -154,6 +154,16 @@ def test_load_gguf_matches_transformers(tmp_path, quant):
     np.testing.assert_allclose(_logits(model, TOKENS), expected, atol=ATOL, rtol=0)
 
 
+def test_load_qwen2_gguf_with_biases(tmp_path):
+    """Qwen2 GGUFs keep HF's q/k row order and carry q/k/v biases."""
+    torch_model = ref.tiny_qwen2(seed=7)
+    decoded = ref.write_llama_gguf(torch_model, tmp_path / "qwen2.gguf")
+    cfg, model = load_model(tmp_path / "qwen2.gguf")
+    assert cfg.model_type == "qwen2" and cfg.qkv_bias and not cfg.tie_word_embeddings
+    expected = ref.torch_logits(ref.with_weights(torch_model, decoded), TOKENS)
+    np.testing.assert_allclose(_logits(model, TOKENS), expected, atol=ATOL, rtol=0)
+
+
 def test_gguf_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         load_gguf(tmp_path / "absent.gguf")

@@ -79,11 +79,15 @@ _GGUF_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
 def write_llama_gguf(model, path, *, quant: str | None = None, tokenizer=None, chat_template=None) -> dict:
-    """Write a transformers Llama model as GGUF (F32, or 2-D weights quantised to `quant`, e.g. "Q8_0").
+    """Write a transformers Llama or Qwen2 model as llama.cpp's converter does (Llama: q/k rows
+    permuted; Qwen2: stored as is, it uses rotate_half RoPE natively), F32 or with 2-D weights
+    quantised to `quant` (e.g. "Q8_0").
 
     tokenizer: optional (vocab dict, merges list of "a b", bos_id, eos_id) for a gpt2-style BPE.
     Returns the HF-named float32 tensors the file decodes to (quantisation round-trip included), so
@@ -92,7 +96,9 @@ def write_llama_gguf(model, path, *, quant: str | None = None, tokenizer=None, c
     import gguf
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    arch = cfg.model_type
+    permute = arch == "llama"
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -124,9 +130,9 @@ def write_llama_gguf(model, path, *, quant: str | None = None, tokenizer=None, c
         gname = _GGUF_NAMES[short]
         if name.startswith("model.layers."):
             gname = f"blk.{name.split('.')[2]}.{gname}"
-        if short == "self_attn.q_proj.weight":
+        if permute and short == "self_attn.q_proj.weight":
             stored = llama_cpp_permute(x, cfg.num_attention_heads)
-        elif short == "self_attn.k_proj.weight":
+        elif permute and short == "self_attn.k_proj.weight":
             stored = llama_cpp_permute(x, cfg.num_key_value_heads)
         else:
             stored = x
