@@ -17,16 +17,16 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.workdir = "runs/frozen_lake"
-    c.env = base.ConfigDict(dict(name="frozen_lake", size=4, p=0.8, success_rate=1.0,
+    c.env = base.ConfigDict(dict(name="frozen_lake", size=4, p=0.9, success_rate=1.0,
                                  observation_format="grid"))
 
     c.model.preset = "tiny"
-    c.model.tiny.hidden_size = 96
-    c.model.tiny.intermediate_size = 256
+    c.model.tiny.hidden_size = 64
+    c.model.tiny.intermediate_size = 192
     c.model.tiny.num_layers = 2
     c.model.tiny.num_heads = 4
     c.model.tiny.num_kv_heads = 2
-    c.model.tiny.head_dim = 24
+    c.model.tiny.head_dim = 16
 
     c.rollout.num_groups = 4
     c.rollout.group_size = 8
@@ -38,7 +38,7 @@ def get_config():
 
     c.starpo.adv_estimator = "grpo"
     c.starpo.mini_batch_size = 32
-    c.starpo.actor_lr = 2e-4
+    c.starpo.actor_lr = 3e-4
     c.starpo.entropy_coeff = 0.001
     c.filter.strategy = "top_p"
     c.filter.value = 0.9
@@ -50,15 +50,15 @@ def get_config():
     c.collapse.micro_batch_size = 32
     c.collapse.max_reasoning_tokens = 40
 
-    c.trainer.total_steps = 40
+    c.trainer.total_steps = 30
     c.trainer.eval_every = 10
     c.trainer.save_every = 10
     c.trainer.transcript_every = 10
     c.trainer.stop_on_empty_filter = False
 
-    c.warmup.steps = 30
+    c.warmup.steps = 60
     c.warmup.batch_size = 16
-    c.warmup.lr = 1e-3
+    c.warmup.lr = 3e-3
     c.warmup.num_states = 64
 
     c.eval.num_episodes = 64

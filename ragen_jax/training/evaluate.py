@@ -65,7 +65,7 @@ class Evaluator:
         s = np.concatenate(succ)[:n].astype(np.float64)
         metrics = {
             "val/success": float(s.mean()),
-            f"val/pass@{k}": float(s.reshape(-1, k).max(axis=1).mean()),
+            f"val/pass_at_{k}": float(s.reshape(-1, k).max(axis=1).mean()),
             "val/return": float(np.concatenate(ret)[:n].mean()),
             "val/num_turns": float(np.concatenate(turns)[:n].mean()),
             "val/valid_action_rate": float(np.concatenate(valid)[:n].mean()),

@@ -17,7 +17,7 @@ from ragen_jax.rollout.trajectory import Trajectory
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
-    """Batch means of the episode statistics; ``pass@group_size`` = any success within a group.
+    """Batch means of the episode statistics; ``pass_at_{group_size}`` = any success within a group.
 
     ``in_group_reward_std`` is the mean over groups of the unbiased std of episode returns (the
     quantity RAGEN's filter calls "reward_variance" and its collapse stop watches).
@@ -28,7 +28,7 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
     ddof = 1 if group_size > 1 else 0
     return {
         "success": success.mean(),
-        f"pass@{group_size}": groups.max(axis=1).mean(),
+        f"pass_at_{group_size}": groups.max(axis=1).mean(),
         "return": traj.episode_return.mean(),
         "return_std": traj.episode_return.std(),
         "in_group_reward_std": returns.std(axis=1, ddof=ddof).mean(),

@@ -137,8 +137,8 @@ def _drop_uncomputed(metrics: dict) -> dict:
 def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Run (or resume) training as configured; returns the final summary metrics.
 
-    ``step_callback(step, metrics)`` runs after each step's checkpoint; raising ``StopTraining``
-    from it ends the run (used by tests to interrupt and resume).
+    ``step_callback(step, metrics)`` runs after each step; raising ``StopTraining`` from it saves a
+    checkpoint of that step and ends the run (tests use it to interrupt and resume).
     """
     from ragen_jax.training.evaluate import Evaluator
     from ragen_jax.training.warmup import run_warmup
@@ -148,7 +148,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2, sort_keys=True))
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
 
     run = setup(spec)
     tokenizer, rollout, update, train_state = run.tokenizer, run.rollout, run.update, run.train_state
@@ -260,18 +260,18 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
             stop_reason = "MI collapse (MI below baseline while reward plateaus)"
 
         summary.update({k: metrics[k] for k in ("train/success", "train/return") if k in metrics})
+        if step_callback is not None:
+            try:
+                step_callback(step, metrics)
+            except StopTraining:
+                stop_reason = "interrupted by callback"
+        # A stopped run always saves its last step, so a resume continues exactly where it ended.
         if step % t_cfg.save_every == 0 or step == t_cfg.total_steps or stop_reason:
             ckpt.save(step, train_state, host_state(step))
         if bar is not None:
             bar.set_postfix(success=f"{rm['success']:.2f}", reward=f"{rm['return']:.2f}",
                             MI="-" if mi is None else f"{mi:.3f}",
                             tok_s=f"{metrics['timing_s/tokens_per_s']:.0f}")
-        if step_callback is not None:
-            try:
-                step_callback(step, metrics)
-            except StopTraining:
-                stop_reason = "interrupted by callback"
-                break
         if stop_reason:
             break
     if bar is not None:
@@ -282,6 +282,8 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
 
     summary["steps"] = float(step)
     summary["seconds"] = time.time() - t_start
+    # CPU time of this process (all threads): on a shared machine, wall time alone misleads.
+    summary["cpu_seconds"] = time.process_time() - cpu_start
     if history["val"]:
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
@@ -294,7 +296,8 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
 
 def _console_summary(spec: RunSpec, summary: dict, stop_reason: str | None, workdir: Path) -> str:
     lines = [f"== {spec.env_name} / {spec.preset}: {int(summary.get('steps', 0))} steps in "
-             f"{summary.get('seconds', 0.0):.0f} s" + (f" (stopped: {stop_reason})" if stop_reason else "")]
+             f"{summary.get('seconds', 0.0):.0f} s wall, {summary.get('cpu_seconds', 0.0):.0f} s CPU"
+             + (f" (stopped: {stop_reason})" if stop_reason else "")]
     for key, label in (("warmup/expert_success", "expert success in demonstrations"),
                        ("warmup/final_loss", "warm-up final BC loss"),
                        ("val/success_before_rl", "validation success before RL"),
