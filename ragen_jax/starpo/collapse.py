@@ -22,7 +22,8 @@ as an argument so it can be tested against a planted log-prob function without a
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, Optional
 
 import chex
 import jax
@@ -422,6 +423,7 @@ def _diagnose_sample(
     sample: PairSample,
     state: MIState,
     cfg,
+    cross_fn=None,
 ) -> tuple[dict[str, jax.Array], MIState]:
     tokens = traj.tokens
     seq_len = traj.seq_len
@@ -430,8 +432,9 @@ def _diagnose_sample(
     z_start = traj.reasoning_start[sample.z_rows, sample.z_turns]
     z_len = traj.reasoning_end[sample.z_rows, sample.z_turns] - z_start
     z_len = jnp.where(sample.z_valid, z_len, 0)
-    l_sum, l_mean = cross_logprob_matrix(
-        logprob_fn,
+    if cross_fn is None:
+        cross_fn = functools.partial(cross_logprob_matrix, logprob_fn)
+    l_sum, l_mean = cross_fn(
         tokens,
         sample.x_rows,
         x_len,
@@ -492,8 +495,12 @@ def collapse_metrics(
     cfg,
     *,
     num_groups: int,
+    cross_fn: Optional[Callable] = None,
 ) -> tuple[dict[str, jax.Array], CollapseState]:
     """All collapse diagnostics for one (pre-filter) batch; ``cfg`` is a ``CollapseConfig``.
+
+    ``cross_fn`` (optional) replaces ``cross_logprob_matrix(logprob_fn, ...)`` with a scorer of the
+    same contract, e.g. ``logprobs.make_prefix_cached_cross_scorer(model)``.
 
     Metric keys follow the original: ``collapse_first_turn_sample/<name>`` and
     ``collapse_trajectory_sample/<name>`` (``batch_thinking_stats`` gives the ``collapse/`` counters).
@@ -502,12 +509,12 @@ def collapse_metrics(
     key_first, key_traj = jax.random.split(key)
     if cfg.first_turn_enabled:
         sample = sample_first_turn(key_first, traj, cfg.num_samples, num_groups)
-        m, first = _diagnose_sample(logprob_fn, traj, sample, state.first_turn, cfg)
+        m, first = _diagnose_sample(logprob_fn, traj, sample, state.first_turn, cfg, cross_fn)
         metrics.update({f"collapse_first_turn_sample/{k}": v for k, v in m.items()})
         state = state.replace(first_turn=first)
     if cfg.trajectory_enabled:
         sample = sample_trajectory_uniform(key_traj, traj, cfg.num_samples)
-        m, traj_state = _diagnose_sample(logprob_fn, traj, sample, state.trajectory, cfg)
+        m, traj_state = _diagnose_sample(logprob_fn, traj, sample, state.trajectory, cfg, cross_fn)
         metrics.update({f"collapse_trajectory_sample/{k}": v for k, v in m.items()})
         state = state.replace(trajectory=traj_state)
     return metrics, state
@@ -522,6 +529,7 @@ def maybe_collapse_metrics(
     cfg,
     *,
     num_groups: int,
+    cross_fn: Optional[Callable] = None,
 ) -> tuple[dict[str, jax.Array], CollapseState]:
     """``collapse_metrics`` under ``lax.cond`` on the step counter (inside the compiled update).
 
@@ -535,7 +543,7 @@ def maybe_collapse_metrics(
 
     def compute(operand):
         st, k = operand
-        return collapse_metrics(logprob_fn, traj, st, k, cfg, num_groups=num_groups)
+        return collapse_metrics(logprob_fn, traj, st, k, cfg, num_groups=num_groups, cross_fn=cross_fn)
 
     def skip(operand):
         st, k = operand

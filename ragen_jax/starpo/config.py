@@ -275,6 +275,8 @@ class CollapseConfig:
     ``max_reasoning_tokens`` bounds Z (None = the trajectory length; longer spans are truncated and
     counted). Regimes are classified against the mean of the first ``baseline_steps`` computations:
     MI is low below ``regime_mi_ratio`` × baseline, H(Z|X) below ``regime_entropy_ratio`` × baseline.
+    ``prefix_cache``: encode each prompt once into a KV cache shared by every reasoning scored under
+    it (same numbers, far less compute when prompts are long); False scores every [x|z] sequence whole.
     """
 
     compute_freq: int = 5
@@ -288,6 +290,7 @@ class CollapseConfig:
     max_reasoning_tokens: Optional[int] = None
     regime_mi_ratio: float = 0.5
     regime_entropy_ratio: float = 0.5
+    prefix_cache: bool = True
 
     @classmethod
     def from_dict(cls, values: Any) -> "CollapseConfig":
@@ -312,5 +315,5 @@ class CollapseConfig:
                 isinstance(value, (int, float)) and 0.0 < value <= 1.0,
                 f"{s}.{name} must be in (0, 1], got {value!r}.",
             )
-        for name in ("first_turn_enabled", "trajectory_enabled"):
+        for name in ("first_turn_enabled", "trajectory_enabled", "prefix_cache"):
             _check(isinstance(getattr(self, name), bool), f"{s}.{name} must be True or False.")

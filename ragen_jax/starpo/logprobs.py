@@ -91,3 +91,62 @@ def make_logprob_fn(model, *, chunk_size: int):
         return logp
 
     return fn
+
+
+def make_prefix_cached_cross_scorer(model, *, logprob_chunk_size: int):
+    """The collapse cross matrix with each prompt encoded once (KV cache) instead of once per reasoning.
+
+    Returns ``cross_fn(tokens, x_rows, x_len, z_rows, z_start, z_len, *, max_reasoning_tokens,
+    chunk_size) -> (ℓ_sum, ℓ_mean) [S, N]``, the same contract as ``collapse.cross_logprob_matrix``
+    with ``logprob_fn`` = this model. For each column j the prompt ``x_j`` is prefilled into a KV cache
+    once; the cache is then shared by every reasoning ``z_i``, which is run as a short chunk at
+    positions ``len(x_j) + 0..``. Prompts are whole conversations and reasoning spans a few hundred
+    tokens, so this costs N prompt passes + S·N short passes instead of S·N full-length passes.
+    ``chunk_size`` (of ``cross_fn``) bounds how many reasoning rows share one broadcast cache at a
+    time; ``logprob_chunk_size`` the positions per log-softmax chunk, as in ``logprobs_from_hidden``.
+    """
+    from ragen_jax.models.kv_cache import init_cache
+
+    def cross_fn(tokens, x_rows, x_len, z_rows, z_start, z_len, *, max_reasoning_tokens, chunk_size):
+        seq_len = tokens.shape[1]
+        max_z = max_reasoning_tokens
+        cache_len = seq_len + max_z
+        num_z = z_rows.shape[0]
+        z_len = jnp.clip(z_len, 0, max_z)
+        x_len = jnp.clip(x_len, 1, seq_len)
+        rows_per_chunk = min(chunk_size, num_z)
+        num_chunks = -(-num_z // rows_per_chunk)
+        pad = num_chunks * rows_per_chunk - num_z
+        # Reasoning tokens [S, max_z], gathered once for every column.
+        t = jnp.arange(max_z)
+        z_tok = tokens[z_rows[:, None], jnp.clip(z_start[:, None] + t, 0, seq_len - 1)]
+        z_tok = jnp.where(t < z_len[:, None], z_tok, 0)
+        z_tok = jnp.pad(z_tok, ((0, pad), (0, 0))).reshape(num_chunks, rows_per_chunk, max_z)
+        z_mask = jnp.pad(t < z_len[:, None], ((0, pad), (0, 0))).reshape(num_chunks, rows_per_chunk, max_z)
+
+        def column(args):
+            x_row, xl = args
+            pos = jnp.arange(seq_len)
+            x_tok = jnp.where(pos < xl, tokens[x_row], 0)[None]
+            cache = init_cache(model.cfg, 1, cache_len)
+            # Padding after the prompt lands in slots >= xl: the reasoning overwrites the ones it can see.
+            hidden, cache = model.hidden(x_tok, pos[None].astype(jnp.int32), cache)
+            first = jax.nn.log_softmax(model.logits(hidden[:, xl - 1][:, None])[0, 0])  # predicts z[0]
+
+            def rows(chunk):
+                zt, zm = chunk
+                n = zt.shape[0]
+                shared = jax.tree.map(lambda c: jnp.broadcast_to(c, c.shape[:1] + (n,) + c.shape[2:]), cache)
+                z_pos = jnp.broadcast_to(xl + t, (n, max_z)).astype(jnp.int32)
+                h, _ = model.hidden(zt, z_pos, shared)
+                rest, _ = logprobs_from_hidden(model, h, zt, chunk_size=logprob_chunk_size, with_entropy=False)
+                logp = rest.at[:, 0].set(first[zt[:, 0]])
+                return jnp.sum(jnp.where(zm, logp, 0.0), axis=-1)
+
+            return jax.lax.map(rows, (z_tok, z_mask)).reshape(-1)[:num_z]
+
+        l_sum = jax.lax.map(column, (x_rows, x_len)).T.astype(jnp.float32)  # [S, N]
+        l_mean = l_sum / jnp.maximum(z_len, 1)[:, None].astype(jnp.float32)
+        return l_sum, l_mean
+
+    return cross_fn

@@ -41,7 +41,7 @@ from ragen_jax.starpo import collapse as collapse_lib
 from ragen_jax.starpo import losses
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
-from ragen_jax.starpo.logprobs import positions_for, sequence_logprobs
+from ragen_jax.starpo.logprobs import make_prefix_cached_cross_scorer, positions_for, sequence_logprobs
 
 PyTree = Any
 
@@ -413,9 +413,13 @@ def make_update_step(
             policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
             return sequence_logprobs(policy, tokens, chunk_size=chunk, with_entropy=False)[0]
 
+        cross_fn = None
+        if collapse_cfg.prefix_cache:
+            cross_fn = make_prefix_cached_cross_scorer(nnx.merge(graphdefs.policy, state.params, policy_rest),
+                                                       logprob_chunk_size=chunk)
         c_metrics, collapse_state = collapse_lib.maybe_collapse_metrics(
             policy_logprob_fn, traj, state.collapse, key_collapse, state.step, collapse_cfg,
-            num_groups=num_groups)
+            num_groups=num_groups, cross_fn=cross_fn)
         metrics.update(c_metrics)
 
         # 3. SNR filter over groups (on the raw episode scores: normalised scores would have equal spread).

@@ -414,3 +414,30 @@ def test_collapse_config_validates():
     with pytest.raises(ValueError, match="collapse.ema"):
         CollapseConfig(ema=1.5)
     assert CollapseConfig.from_dict({"compute_freq": 2}).compute_freq == 2
+
+
+def test_prefix_cached_scorer_matches_whole_sequence_scoring_on_a_decoder():
+    from flax import nnx
+
+    from ragen_jax.models import Decoder, ModelConfig
+    from ragen_jax.starpo import logprobs
+
+    model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=8)
+    model = Decoder(model_cfg, rngs=nnx.Rngs(0))
+    traj = make_batch(num_groups=3, group_size=2, turns=2, seed=4)
+    rng = np.random.default_rng(6)
+    b, t = traj.batch_size, traj.max_turns
+    x_rows, x_turns = rng.integers(0, b, 5), rng.integers(0, t, 5)
+    z_rows, z_turns = rng.integers(0, b, 4), rng.integers(0, t, 4)
+    pe = np.asarray(traj.prompt_end)
+    rs, re_ = np.asarray(traj.reasoning_start), np.asarray(traj.reasoning_end)
+    args = (traj.tokens, jnp.asarray(x_rows), jnp.asarray(pe[x_rows, x_turns]), jnp.asarray(z_rows),
+            jnp.asarray(rs[z_rows, z_turns]), jnp.asarray(re_[z_rows, z_turns] - rs[z_rows, z_turns]))
+    kw = dict(max_reasoning_tokens=3, chunk_size=3)  # some spans truncated; rows in chunks of 3
+    whole = jax.jit(lambda *a: collapse.cross_logprob_matrix(
+        logprobs.make_logprob_fn(model, chunk_size=8), *a, **kw))(*args)
+    cached = jax.jit(lambda *a: logprobs.make_prefix_cached_cross_scorer(model, logprob_chunk_size=2)(*a, **kw))(*args)
+    assert np.ptp(np.asarray(whole[0]), axis=1).min() > 0  # prompts change the scores
+    np.testing.assert_allclose(np.asarray(cached[0]), np.asarray(whole[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cached[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-5)
