@@ -25,6 +25,7 @@ from flax import nnx
 
 from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.kv_cache import KVCache, init_cache, write_layer
+from ragen_jax.models.sharding import constrain_activations
 
 __all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
            "rope_tables", "apply_rope", "KVCache", "init_cache"]
@@ -215,7 +216,9 @@ class Decoder(nnx.Module):
             raise ValueError(f"cache has {cache.k.shape[0]} layers, the model {cfg.num_layers}; "
                              "build it with init_cache(cfg, batch, max_len).")
         positions = positions.astype(jnp.int32)
-        x = self.embed_tokens(tokens).astype(cfg.compute_dtype)
+        # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
+        # boundary; without one constrain_activations is the identity.
+        x = constrain_activations(self.embed_tokens(tokens).astype(cfg.compute_dtype))
         rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
@@ -224,7 +227,8 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 x, cache = carry
                 state, layer = xs
-                return step(graphdef, state, x, positions, rope, cache, layer), None
+                x, cache = step(graphdef, state, x, positions, rope, cache, layer)
+                return (constrain_activations(x), cache), None
 
             (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
         else:
@@ -235,6 +239,7 @@ class Decoder(nnx.Module):
                         graphdef, state, x, positions, rope, cache, i)
                 else:
                     x, cache = layer(x, positions, rope, cache, i)
+                x = constrain_activations(x)
         return self.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
