@@ -275,8 +275,12 @@ def test_generation_is_deterministic_per_key(env, gen):
 # --- auto-reset -----------------------------------------------------------------------------------
 
 
-def test_auto_reset_generates_fresh_levels_for_finished_lanes_only(env, levels, gen):
+def test_auto_reset_generates_fresh_levels_for_finished_lanes_only(levels, gen):
     b = 4096  # also: vmap over 4,096 envs runs
+    # Same generator as the default env; chunks of 4 and 16 (two compiled sizes keep the test quick)
+    # so the 203 finished lanes below take several trips of both sizes.
+    env = Sokoban(reset_chunk=16)
+    assert env._chunks_for(b) == (4, 16)
     params = env.default_params()
     states = jax.tree.map(jnp.asarray, levels)
     # Lanes 0, 5, 9 are one step from truncation; lanes 100..299 too (a chunk-sized group).
