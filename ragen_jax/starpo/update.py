@@ -128,6 +128,9 @@ def init_train_state(
         raise ValueError("starpo.critic='separate' needs its own trunk: pass a models.Critic, not a "
                          f"{type(critic).__name__}.")
 
+    if reference is not None and not cfg.uses_reference:
+        raise ValueError("a reference model was given but no KL term uses it; set starpo.use_kl_loss=True "
+                         "or starpo.kl_in_reward=True, or drop the reference.")
     policy_gd, params, policy_rest = nnx.split(policy, nnx.Param, ...)
     critic_gd = critic_params = critic_rest = critic_opt = None
     if critic is not None:

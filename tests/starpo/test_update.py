@@ -317,6 +317,9 @@ def test_init_rejects_a_critic_of_the_wrong_kind():
     with pytest.raises(ValueError, match="pass a models.ValueHead"):
         U.init_train_state(policy, StarPOConfig(critic="shared"), key=jax.random.key(0),
                            critic=Critic(MODEL_CFG, rngs=nnx.Rngs(1)))
+    with pytest.raises(ValueError, match="no KL term uses it"):
+        U.init_train_state(policy, StarPOConfig(adv_estimator="grpo"), key=jax.random.key(0),
+                           reference=Decoder(MODEL_CFG, rngs=nnx.Rngs(2)))
 
 
 # ---------------------------------------------------------------------------------------------------
