@@ -128,12 +128,12 @@ def test_turn_chunk_decodes_to_host_text(name, kwargs, fmt, style):
 def test_conversation_matches_chat_template(style):
     """Preamble + chunks + replies + closes == apply_chat_template on the same messages."""
     tok = make_tokenizer(style)
-    env = environments.make("sokoban")
+    env = environments.make("frozen_lake")
     params = env.default_params()
     framing = chat_framing(tok)
-    system = build_system_text(env, "grid", RolloutConfig(), (6, 6))
-    _, state = env.reset(jax.random.key(3), params)
-    pieces, n = env.render_pieces(state, params, "grid")
+    system = build_system_text(env, "grid", RolloutConfig(), (4, 4))
+    _, state = jax.jit(env.reset)(jax.random.key(3), params)
+    pieces, n = jax.jit(lambda s: env.render_pieces(s, params, "grid"))(state)
     cd = PromptCodec(tok, framing, env.piece_table, system, enable_think=True, max_words=100, max_int=12,
                      max_obs_pieces=pieces.shape[0])
     replies = [" I push up </think> <answer> Up </answer>", " done </think><answer>Left</answer>"]
@@ -142,13 +142,18 @@ def test_conversation_matches_chat_template(style):
         prompts.reward_message(-0.1) + prompts.turn_block(2, env.render_text(state), 9, warning=True,
                                                           enable_think=True, max_words=100),
     ]
-    tokens = list(cd.preamble_ids)
-    for turn, reply in enumerate(replies):
+    @jax.jit
+    def chunk(turn):
         ids, valid = cd.turn_pieces(turn, pieces, n, eot_emitted=False,
                                     reward_id=cd.reward_id(jnp.float32(-0.1), True),
                                     warning=turn == 1, actions_left=10 - turn)
-        chunk, k, _ = cd.chunk(ids, valid)
-        tokens += list(np.asarray(chunk[:k]))
+        return cd.chunk(ids, valid)[:2]
+
+    tokens = list(cd.preamble_ids)
+    for turn, reply in enumerate(replies):
+        chunk_ids, k = chunk(turn)
+        chunk_ids, k = np.asarray(chunk_ids), int(k)
+        tokens += list(chunk_ids[:k])
         tokens += list(tok(reply, add_special_tokens=False)["input_ids"])
     tokens += list(tok(framing.assistant_end, add_special_tokens=False)["input_ids"])
     messages = [{"role": "system", "content": system}]
@@ -162,10 +167,11 @@ def test_concat_pieces_matches_numpy():
     rng = np.random.default_rng(1)
     table = rng.integers(1, 50, (9, 4)).astype(np.int32)
     lengths = rng.integers(0, 5, 9).astype(np.int32)
+    concat = jax.jit(lambda i, v: concat_pieces(jnp.asarray(table), jnp.asarray(lengths), i, v, 40))
     for _ in range(20):
         ids = rng.integers(0, 9, 7)
         valid = rng.random(7) < 0.7
-        out, k, src = concat_pieces(jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(ids), jnp.asarray(valid), 40)
+        out, k, src = concat(jnp.asarray(ids), jnp.asarray(valid))
         ref = [v for i, ok in zip(ids, valid) if ok for v in table[i, : lengths[i]]]
         ref_src = [m for m, (i, ok) in enumerate(zip(ids, valid)) if ok for _ in range(lengths[i])]
         assert int(k) == len(ref)
