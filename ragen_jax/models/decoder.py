@@ -212,6 +212,9 @@ class Decoder(nnx.Module):
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must both be [batch, seq]; got {tokens.shape} "
                              f"and {positions.shape}.")
+        if not (jnp.issubdtype(tokens.dtype, jnp.integer) and jnp.issubdtype(positions.dtype, jnp.integer)):
+            raise ValueError(f"tokens and positions must be integer arrays; got {tokens.dtype} and "
+                             f"{positions.dtype}.")
         if cache is not None and cache.k.shape[0] != cfg.num_layers:
             raise ValueError(f"cache has {cache.k.shape[0]} layers, the model {cfg.num_layers}; "
                              "build it with init_cache(cfg, batch, max_len).")

@@ -178,6 +178,13 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
     for slot in (0, 2, 3):  # position 6 >= max_len and -1 were dropped, not wrapped
         np.testing.assert_array_equal(ck[0, 0, slot], 0.0)
 
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        model(jnp.asarray(tokens[0]), jnp.asarray(positions[0]))
+    with pytest.raises(ValueError, match="integer"):
+        model(jnp.asarray(tokens, jnp.float32), jnp.asarray(positions))
+    with pytest.raises(ValueError, match="init_cache"):
+        model(jnp.asarray(tokens), jnp.asarray(positions), init_cache(cfg.replace(num_layers=2), 1, 4))
+
 
 def test_scan_and_loop_agree_from_same_rngs():
     cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
