@@ -60,6 +60,10 @@ def main(argv) -> None:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax reports every save at INFO
+    if _CONFIG.value is None:
+        print("Configuration error: --config is required, e.g. --config configs/frozen_lake.py "
+              "(configs/sokoban.py, configs/bandit.py)", file=sys.stderr)
+        sys.exit(2)
     cache = _CONFIG.value.get("compilation_cache_dir")
     if cache:
         # Compiled XLA programs persist across runs: a second run (or a resume) skips compilation.

@@ -113,3 +113,8 @@ def test_base_config_sections():
     c = base.get_config()
     assert set(c.keys()) >= {"env", "model", "rollout", "starpo", "filter", "collapse", "trainer", "warmup",
                              "eval", "mode"}
+
+
+def test_cli_requires_a_config_file():
+    p = _launch()
+    assert p.returncode == 2 and "--config is required" in p.stderr
