@@ -292,3 +292,28 @@ def test_rollout_metrics_against_numpy():
     assert float(m["success"]) == pytest.approx(0.5)
     assert float(m["format_penalty"]) == pytest.approx(pen.sum(1).mean(), abs=1e-6)
     assert float(m["num_actions"]) == pytest.approx(np.asarray(traj.num_actions).mean())
+
+
+@pytest.mark.slow
+def test_conversation_longer_than_max_seq_len_ends_at_a_turn_boundary():
+    tok = make_tokenizer("qwen")
+    env = environments.make("frozen_lake")
+    params = env.default_params()
+    probe = RolloutConfig(num_groups=2, group_size=1, max_turns=4, max_new_tokens=32, max_seq_len=4096,
+                          max_obs_tokens=64)
+    graphdef, weights = tiny_model(tok)
+    ro = make_rollout(graphdef, env, params, tok, probe)
+    # room for the system prompt and about two turns
+    p0, chunk = len(ro.codec.preamble_ids), ro.codec.chunk_len
+    cfg = RolloutConfig(**{**probe.__dict__, "max_seq_len": p0 + 2 * (chunk + 32) + 8})
+    ro = make_rollout(graphdef, env, params, tok, cfg)
+    rng = np.random.default_rng(0)
+    forced, _ = scripted_replies(tok, ("Nope",), rng, cfg.batch_size, cfg.max_turns, cfg.max_new_tokens,
+                                 ro.framing.end_of_turn)  # never a valid action: episodes never end early
+    traj = ro(weights, jax.random.key(0), forced)
+    assert bool(jnp.all(traj.truncated))
+    assert bool(jnp.all(traj.num_turns < cfg.max_turns)) and bool(jnp.all(traj.num_turns >= 1))
+    for b in range(cfg.batch_size):
+        text = decode(tok, traj.tokens[b, : int(traj.lengths[b])])
+        assert text.endswith(ro.framing.assistant_end)  # closed after the last complete turn
+        assert int(traj.lengths[b]) <= cfg.max_seq_len
