@@ -15,14 +15,15 @@
     close the last assistant messages, assemble the Trajectory
 
 Conversation limits. A turn starts only if its whole user block, ``max_new_tokens`` reply tokens
-and the closing tokens fit in ``max_seq_len``; otherwise the episode ends at that turn boundary
-and ``Trajectory.truncated`` marks it (never cut mid-token).
+and the closing tokens fit in ``max_seq_len``, and its observation fits the static observation
+budget (``max_obs_tokens``; measured on random states when unset); otherwise the episode ends at
+that turn boundary and ``Trajectory.truncated`` marks it (never cut mid-token).
 
 Context modes. ``full`` (default): each turn sees the whole conversation. ``limited``: each turn
 sees the system prompt and the last ``context_window`` turns (RAGEN's ``limited_multi_turn``). On
-device the KV cache is rebuilt at every turn boundary: the visible tokens (preamble + the last
-``context_window - 1`` turns, gathered from the transcript) are re-prefilled at positions
-``0..`` before the new user block is appended. The transcript still records the whole episode;
+device the KV cache is rebuilt at every turn boundary once the window slides: the preamble stays
+in slots ``0..P0``, the last ``context_window - 1`` turns (gathered from the transcript) are
+re-prefilled right after it, then the new user block is appended. The transcript still records the whole episode;
 ``Trajectory.context_start`` gives, per turn, the index of the first transcript token that turn
 could see after the preamble, so the trainer can recompute log-probs under the same context.
 
@@ -32,10 +33,15 @@ returns a fixed set of env keys for evaluation (the same puzzles every time).
 Env stepping uses a key derived from the row's (group-shared) reset key and the number of actions
 taken so far, so rows of a group that take the same actions see the same stochastic outcomes
 (common random numbers — the original's behaviour for slippery FrozenLake).
+
+Python environments (``host_env.HostEnv``) run in the same loop: the builder uses an env's
+batched ``reset_batch`` / ``render_batch`` / ``step_batch`` when it has them, ``vmap`` otherwise.
+``ForcedReplies`` replaces sampling by scripted token sequences (tests, demonstrations).
 """
 from __future__ import annotations
 
 import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
