@@ -40,10 +40,28 @@ OURS_FL = "ragen_jax FrozenLake 4x4 random maps"
 TARGET_BATCH = 1024
 
 
+def _pkg_resources_shim() -> None:
+    """gym-sokoban 0.0.6 imports ``pkg_resources`` (gone from setuptools >= 81) only for
+    ``resource_filename``; provide that one function so the peer can be measured at all."""
+    try:
+        import pkg_resources  # noqa: F401
+    except ImportError:
+        import importlib
+        import types
+
+        def resource_filename(module: str, path: str) -> str:  # relative to the module's folder
+            return os.path.join(os.path.dirname(importlib.import_module(module).__file__), path)
+
+        shim = types.ModuleType("pkg_resources")
+        shim.resource_filename = resource_filename
+        sys.modules["pkg_resources"] = shim
+
+
 def _import_peers():
     if not os.path.isfile(os.path.join(BENCH_DIR, "env_peers.py")):
         sys.exit(f"benchmarks/envs.py: the peer benchmark {BENCH_DIR}/env_peers.py is missing; it is "
                  "expected next to the repository (../shared/bench). Check out the shared folder there.")
+    _pkg_resources_shim()
     for path in (BENCH_DIR, REPO):
         if path not in sys.path:
             sys.path.insert(0, path)
