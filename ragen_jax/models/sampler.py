@@ -159,8 +159,8 @@ def _threshold_among(scaled: Array, top_k: Array, top_p: Array, num: int) -> tup
       num: static number of candidates (== V for the exact full-sort path).
 
     Returns:
-      threshold: float32 [B]; tokens with ``scaled >= threshold`` are kept (ties at the k-th value
-        are all kept, as in transformers' top-k).
+      threshold: float32 [B]; tokens with ``scaled >= threshold`` are kept (tokens tied with the
+        last kept one are kept too, as in transformers' top-k).
       exact: bool [B]; False where the kept set may extend past the ``num`` candidates.
     """
     vocab = scaled.shape[-1]
