@@ -47,6 +47,7 @@ box, 5 player, 6 player on target), so the observation is the state itself; ``ro
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import chex
@@ -179,6 +180,18 @@ def _or_reduce(x: chex.Array, axes: tuple[int, ...]) -> chex.Array:
 # =============================================================================================
 
 
+@functools.lru_cache(maxsize=None)
+def _stamp_table(rows: int, cols: int) -> np.ndarray:
+    """uint32 [5, rows, cols, rows]: row words of mask m stamped centred on (r, c) (bit j = column j)."""
+    table = np.zeros((len(TOPOLOGY_MASKS), rows, cols, rows), np.uint32)
+    for m, mask in enumerate(TOPOLOGY_MASKS):
+        for r in range(1, rows - 1):
+            for c in range(1, cols - 1):
+                for i, j in np.argwhere(mask):
+                    table[m, r, c, r - 1 + i] |= np.uint32(1) << np.uint32(c - 1 + j)
+    return table
+
+
 def topology(seed: chex.Array, rows: int, cols: int, num_steps: int) -> chex.Array:
     """RAGEN's random-walk room topology from a uint32 ``seed``. Returns bool [rows, cols] floor."""
     t = num_steps
@@ -191,24 +204,19 @@ def topology(seed: chex.Array, rows: int, cols: int, num_steps: int) -> chex.Arr
     c = (1 + bits[3 * t + 1] % (cols - 1)).astype(jnp.int32)
     d = (bits[3 * t + 2] % 4).astype(jnp.int32)
     # The walk is short and its state two scalars: unrolled, with the direction table
-    # TOPOLOGY_DIRECTIONS = (1,0), (0,1), (-1,0), (0,-1) and the mask rows as arithmetic instead
-    # of table lookups, it fuses into a few batched kernels (a lax.scan pays a loop trip per step,
-    # and gathers under nested vmaps are slow on CPU).
-    row_ids = jnp.arange(rows)
-    row_words = jnp.zeros((rows,), jnp.uint32)
+    # TOPOLOGY_DIRECTIONS = (1,0), (0,1), (-1,0), (0,-1) as arithmetic, it fuses into a few batched
+    # kernels (a lax.scan pays a loop trip per step, a table lookup a gather).
+    path = []
     for i in range(t):
         d = jnp.where(change[i], new_dir[i], d)
         r = jnp.clip(r + (d == 0).astype(jnp.int32) - (d == 2).astype(jnp.int32), 1, rows - 2)
         c = jnp.clip(c + (d == 1).astype(jnp.int32) - (d == 3).astype(jnp.int32), 1, cols - 2)
-        m = mask_idx[i]
-        for k in range(3):
-            pattern = sum(
-                jnp.where(m == j, jnp.uint32(int(_MASK_ROW_BITS[j, k])), jnp.uint32(0))
-                for j in range(len(TOPOLOGY_MASKS))
-                if _MASK_ROW_BITS[j, k]
-            )
-            word = pattern << (c - 1).astype(jnp.uint32)
-            row_words = row_words | jnp.where(row_ids == r - 1 + k, word, jnp.uint32(0))
+        path.append(r * cols + c)
+    stamps = jnp.asarray(_stamp_table(rows, cols)).reshape(len(TOPOLOGY_MASKS) * rows * cols, rows)
+    words = stamps[mask_idx * (rows * cols) + jnp.stack(path)]  # [t, rows]
+    row_words = words[0]
+    for i in range(1, t):
+        row_words = row_words | words[i]
     floor = ((row_words[:, None] >> jnp.arange(cols, dtype=jnp.uint32)) & 1).astype(bool)
     interior = np.zeros((rows, cols), bool)
     interior[1:-1, 1:-1] = True
