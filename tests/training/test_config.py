@@ -30,7 +30,7 @@ def test_presets_and_defaults():
     cfg.starpo.actor_lr = 5e-5
     assert _resolve(cfg).starpo.actor_lr == 5e-5
     fl = _resolve(frozen_lake.get_config())
-    assert fl.env_param_kwargs == {"p": 0.8, "success_rate": 1.0}
+    assert fl.env_param_kwargs == {"p": 0.9, "success_rate": 1.0}
     assert fl.env_kwargs == {"size": 4, "observation_format": "grid"}
     assert _resolve(bandit.get_config()).rollout.max_turns == 1
 
