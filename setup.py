@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; pinned to the CPU wheel.
-        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
         # Peers measured in the same invocation by benchmarks/.
         "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six"],
     },
