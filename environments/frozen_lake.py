@@ -37,6 +37,7 @@ import numpy as np
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
+from environments.hashing import lowbias32
 
 PLAYER, FROZEN, HOLE, GOAL, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
 DEFAULT_GRID_LOOKUP = {0: "P", 1: "_", 2: "O", 3: "G", 4: "X", 5: "√"}
@@ -82,15 +83,6 @@ def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
     return params
 
 
-def _lowbias32(x: chex.Array) -> chex.Array:
-    """A 32-bit integer hash with low bias (C. Wellons' ``lowbias32``); uint32 -> uint32."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
     """``uint32 [*shape]`` random words from ``seed`` (uint32 [2], one threefry draw).
 
@@ -100,7 +92,7 @@ def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
     its two words. The words are still a pure function of the key.
     """
     counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
-    return _lowbias32(_lowbias32(counter ^ seed[0]) + seed[1])
+    return lowbias32(lowbias32(counter ^ seed[0]) + seed[1])
 
 
 # Worst case, over every set of free cells and every seed cell, of the flood-fill steps needed to

@@ -58,6 +58,7 @@ from jax import custom_batching
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
+from environments.hashing import lowbias32
 
 WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = range(7)
 DEFAULT_GRID_LOOKUP = {0: "#", 1: "_", 2: "O", 3: "√", 4: "X", 5: "P", 6: "S"}
@@ -146,18 +147,9 @@ def _pick_nth(bits: chex.Array, mask: chex.Array) -> chex.Array:
     return jnp.argmax(mask & (jnp.cumsum(mask) - 1 == r))
 
 
-def _lowbias32(x):
-    """A 32-bit integer hash with low bias (C. Wellons' ``lowbias32``); uint32 -> uint32 (numpy or jax)."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _counter_table(n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return _lowbias32(np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B9) + np.uint32(0x6A09E667))
+        return lowbias32(np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B9) + np.uint32(0x6A09E667))
 
 
 def random_bits(seed: chex.Array, shape) -> chex.Array:
@@ -168,7 +160,7 @@ def random_bits(seed: chex.Array, shape) -> chex.Array:
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = int(np.prod(shape))
-    return _lowbias32(seed ^ jnp.asarray(_counter_table(n))).reshape(shape)
+    return lowbias32(seed ^ jnp.asarray(_counter_table(n))).reshape(shape)
 
 
 def _or_reduce(x: chex.Array, axes: tuple[int, ...]) -> chex.Array:

@@ -96,12 +96,7 @@ def solve_sokoban(room_fixed, room_state, max_states: int = 5_000_000) -> list[i
                 continue
             parent[nxt] = (state, a)
             if nxt[1] == targets:
-                actions = []
-                node = nxt
-                while parent[node] is not None:
-                    node, act = parent[node]
-                    actions.append(act)
-                return actions[::-1]
+                return _backtrack(parent, nxt)
             if len(parent) > max_states:
                 raise RuntimeError(f"solve_sokoban: more than max_states={max_states} states; raise the budget")
             queue.append(nxt)
@@ -164,14 +159,18 @@ def frozen_lake_shortest_path(desc_or_grid, start: Sequence[int], goal: Sequence
                 continue
             parent[nxt] = (cell, a)
             if nxt == goal:
-                actions = []
-                node = nxt
-                while parent[node] is not None:
-                    node, act = parent[node]
-                    actions.append(act)
-                return actions[::-1]
+                return _backtrack(parent, nxt)
             queue.append(nxt)
     return None
 
 
 __all__ = ["FROZEN_LAKE_MOVES", "SOKOBAN_MOVES", "frozen_lake_shortest_path", "solve_sokoban"]
+
+
+def _backtrack(parent: dict, node) -> list[int]:
+    """The actions leading from the BFS root to ``node`` (``parent[n] = (previous, action)``)."""
+    actions = []
+    while parent[node] is not None:
+        node, act = parent[node]
+        actions.append(act)
+    return actions[::-1]
