@@ -103,3 +103,40 @@ def test_bc_loss_matches_numpy(setup):
     picked = np.take_along_axis(logp[:, :-1], t[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(float(loss), -(picked * m).sum() / m.sum(), rtol=1e-5)
     np.testing.assert_allclose(float(acc), ((logp[:, :-1].argmax(-1) == t[:, 1:]) * m).sum() / m.sum(), rtol=1e-6)
+
+
+def test_main_job_conversations_fit_every_solvable_start():
+    """The main job's rollout (configs/frozen_lake.py) has room for all ``max_turns`` turns.
+
+    Start states whose shortest path (independent BFS) needs 5 or 6 moves take three turns of two
+    actions; if ``max_seq_len`` cannot hold the third turn the episode is cut at that boundary and
+    the puzzle is unsolvable by construction, whatever the policy.
+    """
+    import dataclasses
+
+    from configs import frozen_lake
+    from ragen_jax.training.build import build_env
+    from ragen_jax.training.configuration import resolve
+
+    spec = resolve(frozen_lake.get_config())
+    env, ep = build_env(spec)
+    # Long-path start states: scan fixed keys on the host with the independent BFS.
+    cand = jax.random.split(jax.random.key(11), 256)
+    _, states = jax.vmap(env.reset, in_axes=(0, None))(cand, ep)
+    holes, pos, goal = (np.asarray(x) for x in (states.holes, states.pos, states.goal))
+    budget = spec.rollout.max_actions_per_traj
+    lengths = [_bfs_len(holes[i], pos[i], goal[i]) for i in range(len(cand))]
+    long = [i for i, n in enumerate(lengths) if n is not None and budget - 1 <= n <= budget][:4]
+    assert len(long) == 4
+    keys = cand[np.asarray(long)]
+
+    tok = load_tiny_tokenizer()
+    graphdef, params = nnx.split(Decoder(tiny_model_config(tok, TINY), rngs=nnx.Rngs(0)))
+    rollout = make_rollout(graphdef, env, ep, tok, dataclasses.replace(spec.rollout, num_groups=4, group_size=1))
+    forced, planned = expert_replies(rollout, keys, np.random.default_rng(0))
+    traj = rollout.run(params, keys, jax.random.key(8), forced)
+    assert planned.all()
+    assert not np.asarray(traj.truncated).any()
+    np.testing.assert_array_equal(np.asarray(traj.num_turns), spec.rollout.max_turns)
+    assert np.asarray(traj.success).all()
+    np.testing.assert_array_equal(np.asarray(traj.num_actions), [lengths[i] for i in long])
