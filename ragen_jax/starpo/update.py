@@ -209,6 +209,21 @@ def _all_finite(tree: PyTree) -> jax.Array:
 # The update step
 
 
+def _guarded_step(tx, grads, opt_state, params, has_tokens):
+    """One optax step applied only when there were tokens and every gradient is finite.
+
+    Returns ``(params, opt_state, grad_norm, finite, applied)``; when not applied, params and optimizer
+    state are returned unchanged, so a NaN/inf gradient never reaches the weights.
+    """
+    grad_norm = optax.global_norm(grads)
+    finite = _all_finite(grads)
+    applied = has_tokens & finite
+    updates, new_opt = tx.update(grads, opt_state, params)
+    params = _select(applied, optax.apply_updates(params, updates), params)
+    opt_state = _select(applied, new_opt, opt_state)
+    return params, opt_state, grad_norm, finite, applied
+
+
 def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig):
     """Returns ``(loss_fn, critic_values)``.
 
@@ -330,12 +345,7 @@ def make_update_step(
         ((grads, c_grads), aux), _ = jax.lax.scan(accumulate, (zero_grads, zero_aux), micro)
 
         has_tokens = (den > 0) & ~skip
-        grad_norm = optax.global_norm(grads)
-        finite = _all_finite(grads)
-        apply = has_tokens & finite
-        updates, new_opt = actor_tx.update(grads, opt_state, params)
-        params = _select(apply, optax.apply_updates(params, updates), params)
-        opt_state = _select(apply, new_opt, opt_state)
+        params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens)
         nonfinite = has_tokens & ~finite
         metrics = {
             "actor/pg_loss": _safe_div(aux["pg_num"], den),
@@ -349,12 +359,8 @@ def make_update_step(
             metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
         c_apply = jnp.zeros((), bool)
         if mode != "none":
-            c_grad_norm = optax.global_norm(c_grads)
-            c_finite = _all_finite(c_grads)
-            c_apply = has_tokens & c_finite
-            c_updates, new_c_opt = critic_tx.update(c_grads, c_opt, c_params)
-            c_params = _select(c_apply, optax.apply_updates(c_params, c_updates), c_params)
-            c_opt = _select(c_apply, new_c_opt, c_opt)
+            c_params, c_opt, c_grad_norm, c_finite, c_apply = _guarded_step(critic_tx, c_grads, c_opt, c_params,
+                                                                             has_tokens)
             nonfinite = nonfinite | (has_tokens & ~c_finite)
             metrics.update({
                 "critic/vf_loss": _safe_div(aux["vf_num"], value_den),
