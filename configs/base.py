@@ -126,10 +126,16 @@ def get_config() -> ConfigDict:
     c.trainer.mi_collapse_ratio = 0.5  # MI below this fraction of its baseline ...
     c.trainer.mi_collapse_window = 3  # ... for this many consecutive MI computations while reward plateaus
     c.trainer.stop_on_success = 0.0  # stop once validation success >= this (0 = never)
+    # Wall-clock budget from the start of the run, warm-up included (0 = none): the step that
+    # crosses it is the last, and it is checkpointed (compare presets in the same budget).
+    c.trainer.time_limit_minutes = 0.0
 
     # --- behaviour-cloning warm-up -------------------------------------------------------------
     c.warmup = ConfigDict()
-    c.warmup.steps = 0  # 0 = no warm-up
+    c.warmup.steps = 0  # BC steps on whole expert conversations (0 and single_turn_steps 0 = no warm-up)
+    # BC steps on first-turn conversations, run first: ~3x shorter sequences, so the cheap place to
+    # learn to read the board (the envs are Markov: a start state is also a mid-episode state).
+    c.warmup.single_turn_steps = 0
     c.warmup.batch_size = 32
     c.warmup.lr = 1e-3
     c.warmup.num_states = 0  # distinct start states to imitate (0 = a fresh one per episode)

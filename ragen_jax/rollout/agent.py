@@ -128,13 +128,28 @@ def _env_name(env) -> str:
     return getattr(env, "name", type(env).__name__).lower()
 
 
-def build_system_text(env, fmt: str, config: RolloutConfig, board_shape) -> str:
-    """The system message for ``env`` as configured (legend and actions from the env itself)."""
+def _is_slippery(env, env_params) -> bool:
+    """Whether moves can slip: the env's static flag and, when concrete, ``success_rate < 1``."""
+    if not getattr(env, "is_slippery", False):
+        return False
+    rate = getattr(env_params, "success_rate", None)
+    try:
+        return rate is None or float(rate) < 1.0
+    except jax.errors.ConcretizationTypeError:  # traced params: keep the cautious sentence
+        return True
+
+
+def build_system_text(env, fmt: str, config: RolloutConfig, board_shape, env_params=None) -> str:
+    """The system message for ``env`` as configured (legend and actions from the env itself).
+
+    ``env_params`` decides FrozenLake's slippery-ice sentence (absent when ``success_rate`` is 1).
+    """
     instruction = config.instruction
     if instruction is None:
         instruction = getattr(env, "instruction", None)
     if instruction is None:
-        instruction = prompts.env_instruction(_env_name(env), fmt, board_shape)
+        instruction = prompts.env_instruction(_env_name(env), fmt, board_shape,
+                                              slippery=_is_slippery(env, env_params))
     shows_grid = fmt in ("grid", "grid_coord")
     legend = env.legend() if shows_grid else None
     # Free-text observations (the bandit) name their own choices; the global action list would
@@ -175,7 +190,7 @@ class Rollout:
             max_obs_tokens = self._measure_obs_tokens(tokenizer, state_shape)
         self.max_obs_tokens = max_obs_tokens
         self.framing = chat_framing(tokenizer)
-        self.system_text = build_system_text(env, fmt, config, board_shape)
+        self.system_text = build_system_text(env, fmt, config, board_shape, env_params)
         self.codec = codec_lib.PromptCodec(
             tokenizer, self.framing, env.piece_table, self.system_text,
             enable_think=config.enable_think, max_words=config.max_words,

@@ -47,14 +47,15 @@ SOKOBAN_COORD_INSTRUCTION = (
     "You cannot push a box through a wall, and you cannot pull a box.\n"
     "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
 )
+FROZEN_LAKE_SLIPPERY = "The ice is slippery: a move may take you in a direction you did not intend."
 FROZEN_LAKE_INSTRUCTION = (
     "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
-    "The ice is slippery: a move may take you in a direction you did not intend. "
+    + FROZEN_LAKE_SLIPPERY + " "
     "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
 )
 FROZEN_LAKE_COORD_INSTRUCTION = (
     "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
-    "The ice is slippery: a move may take you in a direction you did not intend.\n"
+    + FROZEN_LAKE_SLIPPERY + "\n"
     "You are provided with the zero-indexed coordinates of the start, the goal, the player and each hole. \n"
     "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
     "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
@@ -65,25 +66,32 @@ BANDIT_INSTRUCTION = (
 )
 
 
-def env_instruction(env_name: str, fmt: str, board_shape: tuple[int, int] | None = None) -> str:
+def env_instruction(env_name: str, fmt: str, board_shape: tuple[int, int] | None = None,
+                    slippery: bool = True) -> str:
     """The instruction paragraph for an environment and observation format.
 
     ``board_shape`` (rows, cols) fills the coordinate range of the coordinate formats; it is the
     configured board, so an 8×8 Sokoban reads "(7, 7)" (the original always said "(5, 5)").
+    ``slippery=False`` (FrozenLake with deterministic moves) drops the slippery-ice sentence, which
+    the original kept even when every move went where it was meant to.
     """
     coord = fmt in ("coord", "grid_coord")
     if env_name in ("sokoban", "frozen_lake") and coord:
         if board_shape is None:
             raise ValueError(f"{env_name} with observation_format={fmt!r} needs board_shape=(rows, cols)")
         template = SOKOBAN_COORD_INSTRUCTION if env_name == "sokoban" else FROZEN_LAKE_COORD_INSTRUCTION
-        return template.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
-    table = {"sokoban": SOKOBAN_INSTRUCTION, "frozen_lake": FROZEN_LAKE_INSTRUCTION, "bandit": BANDIT_INSTRUCTION}
-    if env_name not in table:
-        raise ValueError(
-            f"no built-in instruction for environment {env_name!r}; pass instruction=... to "
-            f"system_message (built-in: {sorted(table)})"
-        )
-    return table[env_name]
+        text = template.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
+    else:
+        table = {"sokoban": SOKOBAN_INSTRUCTION, "frozen_lake": FROZEN_LAKE_INSTRUCTION, "bandit": BANDIT_INSTRUCTION}
+        if env_name not in table:
+            raise ValueError(
+                f"no built-in instruction for environment {env_name!r}; pass instruction=... to "
+                f"system_message (built-in: {sorted(table)})"
+            )
+        text = table[env_name]
+    if env_name == "frozen_lake" and not slippery:
+        text = text.replace(" " + FROZEN_LAKE_SLIPPERY, "")
+    return text
 
 
 def system_message(

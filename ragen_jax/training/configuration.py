@@ -164,6 +164,8 @@ def resolve(config: ConfigDict) -> RunSpec:
     for key in ("total_steps", "save_every", "keep_checkpoints", "log_every"):
         if not isinstance(t[key], int) or t[key] < (0 if key == "total_steps" else 1):
             _fail(f"trainer.{key}={t[key]!r} must be a positive int")
+    if t.time_limit_minutes < 0:
+        _fail(f"trainer.time_limit_minutes={t.time_limit_minutes!r} must be >= 0 (0 = no limit)")
     if t.eval_every < 0:
         _fail(f"trainer.eval_every={t.eval_every!r} must be >= 0 (0 = no evaluation during training)")
     if config.eval.num_episodes < 1 or config.eval.pass_k < 1:
@@ -171,12 +173,16 @@ def resolve(config: ConfigDict) -> RunSpec:
     if config.eval.temperature < 0:
         _fail(f"eval.temperature={config.eval.temperature} must be >= 0 (0 = greedy)")
     w = config.warmup
-    if w.steps < 0 or w.batch_size < 1 or w.num_states < 0 or not 0.0 <= w.action_noise <= 1.0:
-        _fail(f"warmup: steps={w.steps} (>= 0), batch_size={w.batch_size} (>= 1), num_states={w.num_states} "
-              f"(>= 0), action_noise={w.action_noise} (in [0, 1])")
-    if w.steps and config.env.name not in ("sokoban", "frozen_lake"):
-        _fail(f"warmup.steps={w.steps} but env.name={config.env.name!r} has no expert solver; "
-              "behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0)")
+    if (w.steps < 0 or w.single_turn_steps < 0 or w.batch_size < 1 or w.num_states < 0
+            or not 0.0 <= w.action_noise <= 1.0):
+        _fail(f"warmup: steps={w.steps} (>= 0), single_turn_steps={w.single_turn_steps} (>= 0), "
+              f"batch_size={w.batch_size} (>= 1), num_states={w.num_states} (>= 0), "
+              f"action_noise={w.action_noise} (in [0, 1])")
+    if (w.steps or w.single_turn_steps) and config.env.name not in ("sokoban", "frozen_lake"):
+        key = "warmup.steps" if w.steps else "warmup.single_turn_steps"
+        _fail(f"{key}={w.steps or w.single_turn_steps} but env.name={config.env.name!r} has no expert solver; "
+              "behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0 and "
+              "warmup.single_turn_steps=0)")
     return RunSpec(config=config, env_name=config.env.name, env_kwargs=env_kwargs,
                    env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
                    collapse=collapse, preset=preset)

@@ -181,7 +181,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         print(f"resumed from {ckpt.directory}/{start_step}")
     else:
         # Warm-up (behaviour cloning), then the "after warm-up" validation on the fixed puzzles.
-        if cfg.warmup.steps > 0:
+        if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
             wparams, wsum = run_warmup(rollout, _policy_params(train_state), cfg.warmup,
                                        log_fn=logger.scalars, progress=t_cfg.progress_bar)
             train_state = train_state.replace(params=wparams)
@@ -252,6 +252,8 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
             if t_cfg.stop_on_success and vm["val/success"] >= t_cfg.stop_on_success:
                 stop_reason = f"validation success {vm['val/success']:.3f} >= {t_cfg.stop_on_success}"
 
+        if t_cfg.time_limit_minutes and time.time() - t_start >= 60.0 * t_cfg.time_limit_minutes:
+            stop_reason = f"time limit of {t_cfg.time_limit_minutes:g} min reached"
         if t_cfg.stop_on_empty_filter and early.consecutive_empty >= spec.filter.empty_stop_steps:
             stop_reason = f"{early.consecutive_empty} consecutive empty batches after the SNR filter"
         if t_cfg.stop_on_reward_collapse and metrics["early_stop/reward_variance_collapse"]:

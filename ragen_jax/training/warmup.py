@@ -213,51 +213,96 @@ def make_bc_step(graphdef, tx: optax.GradientTransformation) -> Callable:
     return step
 
 
+def _bc_data(demos: list[Trajectory]):
+    """Concatenate demonstration batches; trim the right padding every row shares."""
+    data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
+    width = int(jnp.max(data.lengths)) + 1
+    width = min(data.tokens.shape[1], -(-width // 64) * 64)
+    arrays = tuple(x[:, :width] for x in (data.tokens, data.loss_mask, data.valid_mask))
+    return arrays, float(jnp.mean(data.success)), data.tokens.shape[0]
+
+
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
                progress: bool = True) -> tuple[Any, dict]:
     """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
 
-    ``warmup_cfg`` keys: steps, batch_size, lr, num_states, action_noise, seed, log_every.
+    Two phases share one AdamW optimiser and one learning-rate schedule (linear warm-up over the
+    first 5% of the steps, cosine decay to 10%):
+
+    1. ``single_turn_steps`` on first-turn conversations (system prompt, one observation, the
+       expert's reply). They are a third of a full conversation's length, so each step is ~2-3×
+       cheaper; since FrozenLake and Sokoban are Markov, every start state is also a mid-episode
+       state, and this is where the model learns to read the board.
+    2. ``steps`` on whole multi-turn expert conversations (the context RL rollouts produce).
+
+    ``warmup_cfg`` keys: steps, single_turn_steps, batch_size, lr, num_states, action_noise, seed,
+    log_every.
     """
+    import dataclasses
+
+    from ragen_jax.rollout.agent import make_rollout
+
     t0 = time.time()
-    num_states = warmup_cfg.num_states or warmup_cfg.steps * warmup_cfg.batch_size
-    demos = demonstrations(rollout, params, num_states, warmup_cfg.seed, warmup_cfg.action_noise)
-    data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
-    n = data.tokens.shape[0]
-    expert_success = float(jnp.mean(data.success))
-    # Trim the right padding shared by every row: the forward pass only needs the longest row.
-    width = int(jnp.max(data.lengths)) + 1
-    width = min(data.tokens.shape[1], -(-width // 64) * 64)
-    tokens, loss_mask, valid_mask = (x[:, :width] for x in (data.tokens, data.loss_mask, data.valid_mask))
+    single_steps = int(warmup_cfg.get("single_turn_steps", 0))
+    total = warmup_cfg.steps + single_steps
+    def states_for(n_steps):  # no more distinct states than the phase can visit
+        cap = n_steps * warmup_cfg.batch_size
+        return min(warmup_cfg.num_states, cap) if warmup_cfg.num_states else cap
+
+    phases = []
+    if single_steps:
+        one_turn = make_rollout(rollout.graphdef, rollout.env, rollout.env_params, rollout.tokenizer,
+                                dataclasses.replace(rollout.config, max_turns=1))
+        # Different start states from phase 2 (seed + 1): more boards seen for the same cost.
+        phases.append(("single_turn", single_steps,
+                       demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
+                                    warmup_cfg.action_noise)))
+    if warmup_cfg.steps:
+        phases.append(("conversation", warmup_cfg.steps,
+                       demonstrations(rollout, params, states_for(warmup_cfg.steps), warmup_cfg.seed,
+                                    warmup_cfg.action_noise)))
 
     graphdef = rollout.graphdef
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(warmup_cfg.lr, weight_decay=0.0))
+    lr = optax.warmup_cosine_decay_schedule(0.0, warmup_cfg.lr, max(1, total // 20), max(total, 2),
+                                            end_value=0.1 * warmup_cfg.lr)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.0))
     opt_state = tx.init(params)
     step_fn = make_bc_step(graphdef, tx)
     rng = np.random.default_rng(warmup_cfg.seed)
-    bs = min(warmup_cfg.batch_size, n)
-    order = rng.permutation(n)
-    cursor = 0
     metrics = {}
-    it = range(warmup_cfg.steps)
+    summary = {}
+    done = 0
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, desc="warm-up (BC)", leave=False)
-    for i in it:
-        if cursor + bs > n:
-            order, cursor = rng.permutation(n), 0
-        idx = jnp.asarray(order[cursor: cursor + bs])
-        cursor += bs
-        params, opt_state, m = step_fn(params, opt_state, tokens[idx], loss_mask[idx], valid_mask[idx])
-        if (i + 1) % warmup_cfg.log_every == 0 or i + 1 == warmup_cfg.steps:
-            metrics = {k: float(v) for k, v in m.items()}
-            if log_fn is not None:
-                log_fn(i + 1, {f"warmup/{k}": v for k, v in metrics.items()})
-            if progress:
-                it.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_accuracy']:.2f}")
-    summary = {"warmup/num_demonstrations": float(n), "warmup/expert_success": expert_success,
-               "warmup/seconds": time.time() - t0, **{f"warmup/final_{k}": v for k, v in metrics.items()}}
+        bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
+    for name, n_steps, demos in phases:
+        (tokens, loss_mask, valid_mask), expert_success, n = _bc_data(demos)
+        summary[f"warmup/{name}_demonstrations"] = float(n)
+        summary[f"warmup/{name}_expert_success"] = expert_success
+        bs = min(warmup_cfg.batch_size, n)
+        order, cursor = rng.permutation(n), 0
+        for _ in range(n_steps):
+            if cursor + bs > n:
+                order, cursor = rng.permutation(n), 0
+            idx = jnp.asarray(order[cursor: cursor + bs])
+            cursor += bs
+            params, opt_state, m = step_fn(params, opt_state, tokens[idx], loss_mask[idx], valid_mask[idx])
+            done += 1
+            if done % warmup_cfg.log_every == 0 or done == total:
+                metrics = {k: float(v) for k, v in m.items()}
+                if log_fn is not None:
+                    log_fn(done, {f"warmup/{k}": v for k, v in metrics.items()})
+                if bar is not None:
+                    bar.set_postfix(phase=name, loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_accuracy']:.2f}")
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    last = phases[-1][0] if phases else None
+    summary.update({
+        "warmup/num_demonstrations": summary.get(f"warmup/{last}_demonstrations", 0.0),
+        "warmup/expert_success": summary.get(f"warmup/{last}_expert_success", 0.0),
+        "warmup/seconds": time.time() - t0, **{f"warmup/final_{k}": v for k, v in metrics.items()}})
     return params, summary
-
-

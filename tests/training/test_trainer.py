@@ -140,3 +140,18 @@ def test_resume_is_exact_short(tmp_path):
 def test_resume_is_exact_6_vs_3_plus_3(tmp_path):
     """6 steps straight == 3 + interrupt + resume 3 (MI computed at steps 1, 2, 4, 6; eval at 2, 4, 6)."""
     _resume_matches(tmp_path, total=6, interrupt_at=3)
+
+
+def test_time_limit_stops_after_the_crossing_step_and_checkpoints_it(tmp_path):
+    """A budget already spent by the warm-up: step 1 runs, is saved, and the run stops there."""
+    from ragen_jax.training.checkpoint import Checkpointer
+    from ragen_jax.training.trainer import train
+
+    spec = small_config(tmp_path, total_steps=3, **{"trainer.time_limit_minutes": 1e-6, "trainer.save_every": 10,
+                                                    "trainer.eval_every": 0})
+    out = train(spec)
+    assert out["stop_reason"].startswith("time limit")
+    assert out["summary"]["steps"] == 1.0
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=3)
+    assert ckpt.latest_step() == 1
+    ckpt.close()

@@ -12,7 +12,7 @@ from flax import nnx
 
 import environments
 from ragen_jax.rollout import codec as codec_lib
-from ragen_jax.rollout.agent import RolloutConfig, make_rollout
+from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout
 from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
 from ragen_jax.training.warmup import bc_loss, expert_replies, frozen_lake_reasoning, reply_text
 from ragen_jax.models import Decoder
@@ -140,3 +140,60 @@ def test_main_job_conversations_fit_every_solvable_start():
     np.testing.assert_array_equal(np.asarray(traj.num_turns), spec.rollout.max_turns)
     assert np.asarray(traj.success).all()
     np.testing.assert_array_equal(np.asarray(traj.num_actions), [lengths[i] for i in long])
+
+
+def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monkeypatch):
+    """Phase 1 imitates first-turn conversations, phase 2 whole ones; one schedule over both.
+
+    The first-turn transcripts must be exactly the first turn of the full expert conversation
+    from the same start state (same framing, observation and reply), so the cheap phase teaches
+    what the rollout will ask.
+    """
+    import dataclasses
+
+    from ml_collections import ConfigDict
+
+    from ragen_jax.training import warmup as warmup_lib
+
+    tok, graphdef, params, rollout, env, ep = setup
+    one_turn = make_rollout(graphdef, env, ep, tok, dataclasses.replace(rollout.config, max_turns=1))
+    keys = jax.random.split(jax.random.key(5), 4)
+    forced, _ = expert_replies(rollout, keys, np.random.default_rng(0))
+    full = rollout.run(params, keys, jax.random.key(8), forced)
+    first = one_turn.run(params, keys, jax.random.key(8),
+                         ForcedReplies(tokens=forced.tokens[:, :1], lengths=forced.lengths[:, :1]))
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for b in range(4):
+        short = np.asarray(first.tokens[b])[np.asarray(first.valid_mask[b])]
+        long = np.asarray(full.tokens[b])[np.asarray(full.valid_mask[b])]
+        # Up to and including the first reply's end-of-turn token the two transcripts agree.
+        end = int(np.flatnonzero(short == eot)[-1]) + 1
+        np.testing.assert_array_equal(short[:end], long[:end])
+        assert np.asarray(first.loss_mask[b]).sum() == int(forced.lengths[b, 0])  # the reply is what is trained
+        assert int(first.num_turns[b]) == 1
+
+    # The phases run in order with the batches their rollouts produce: record every BC batch.
+    seen = []
+    real_step = warmup_lib.make_bc_step
+
+    def spy(graphdef_, tx):
+        step = real_step(graphdef_, tx)
+
+        def wrapped(p, o, tokens, loss_mask, valid_mask):
+            seen.append(tokens.shape[1])
+            return step(p, o, tokens, loss_mask, valid_mask)
+        return wrapped
+
+    monkeypatch.setattr(warmup_lib, "make_bc_step", spy)
+    cfg = ConfigDict(dict(steps=2, single_turn_steps=3, batch_size=2, lr=1e-3, num_states=4, action_noise=0.0,
+                          seed=1, log_every=1))
+    new_params, summary = warmup_lib.run_warmup(rollout, params, cfg, progress=False)
+    assert len(seen) == 5
+    # Batches are trimmed to their phase's longest transcript: one turn, then whole conversations
+    # (these start states need several turns).
+    assert len(set(seen[:3])) == 1 and len(set(seen[3:])) == 1 and seen[0] < seen[3]
+    assert summary["warmup/single_turn_demonstrations"] == 4.0
+    assert summary["warmup/conversation_demonstrations"] == 4.0
+    assert np.isfinite(summary["warmup/final_loss"])
+    changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), params, new_params)
+    assert all(jax.tree.leaves(changed))
