@@ -63,9 +63,13 @@ def _save_curve(path: Path, history: dict) -> None:
     tr = np.asarray(history.get("train", []), dtype=np.float64).reshape(-1, 2)
     va = np.asarray(history.get("val", []), dtype=np.float64).reshape(-1, 2)
     if len(tr):
-        ax.plot(tr[:, 0], tr[:, 1], lw=1, alpha=0.7, label="train success (T=1.0 rollouts)")
+        ax.plot(tr[:, 0], tr[:, 1], lw=0.8, alpha=0.35, color="C0", label="train success (one batch)")
+        w = min(10, len(tr))
+        if w > 1:  # one batch is noisy: show the trend over the last w steps
+            smooth = np.convolve(tr[:, 1], np.ones(w) / w, mode="valid")
+            ax.plot(tr[w - 1:, 0], smooth, lw=1.5, color="C0", label=f"train success ({w}-step mean)")
     if len(va):
-        ax.plot(va[:, 0], va[:, 1], "o-", lw=2, label="validation success (fixed puzzles)")
+        ax.plot(va[:, 0], va[:, 1], "o-", lw=2, color="C1", label="validation success (fixed puzzles)")
     if history.get("warmup_val") is not None:
         ax.axhline(history["warmup_val"], color="grey", ls="--", lw=1, label="after warm-up only")
     ax.set_xlabel("RL step")
@@ -243,7 +247,12 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
 
             logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, np.asarray(row)))
 
-        if evaluator is not None and t_cfg.eval_every and (step % t_cfg.eval_every == 0 or step == t_cfg.total_steps):
+        # Out of time: this step is the last, and it gets the final validation.
+        out_of_time = bool(t_cfg.time_limit_minutes) and time.time() - t_start >= 60.0 * t_cfg.time_limit_minutes
+        if out_of_time:
+            stop_reason = f"time limit of {t_cfg.time_limit_minutes:g} min reached"
+        if evaluator is not None and t_cfg.eval_every and (step % t_cfg.eval_every == 0 or step == t_cfg.total_steps
+                                                           or out_of_time):
             vm = evaluator(_policy_params(train_state), step,
                            workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None)
             logger.scalars(step, vm)
@@ -252,8 +261,6 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
             if t_cfg.stop_on_success and vm["val/success"] >= t_cfg.stop_on_success:
                 stop_reason = f"validation success {vm['val/success']:.3f} >= {t_cfg.stop_on_success}"
 
-        if t_cfg.time_limit_minutes and time.time() - t_start >= 60.0 * t_cfg.time_limit_minutes:
-            stop_reason = f"time limit of {t_cfg.time_limit_minutes:g} min reached"
         if t_cfg.stop_on_empty_filter and early.consecutive_empty >= spec.filter.empty_stop_steps:
             stop_reason = f"{early.consecutive_empty} consecutive empty batches after the SNR filter"
         if t_cfg.stop_on_reward_collapse and metrics["early_stop/reward_variance_collapse"]:
