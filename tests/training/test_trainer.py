@@ -30,7 +30,7 @@ def small_config(workdir, total_steps, **over):
                           max_seq_len=400))
     c.starpo.mini_batch_size = 4
     c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
-    c.warmup.update(dict(steps=2, batch_size=4, num_states=4))
+    c.warmup.update(dict(single_turn_steps=1, steps=2, batch_size=4, num_states=4))
     c.eval.num_episodes = 2
     c.trainer.update(dict(total_steps=total_steps, eval_every=2, save_every=1, transcript_every=1,
                           progress_bar=False))
