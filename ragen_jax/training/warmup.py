@@ -21,6 +21,7 @@ fraction of expert turns by a random action (imperfect demonstrations).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ import optax
 from flax import nnx
 
 from ragen_jax.rollout import codec as codec_lib
-from ragen_jax.rollout.agent import ForcedReplies, Rollout
+from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +215,8 @@ def make_bc_step(graphdef, tx: optax.GradientTransformation) -> Callable:
 
 
 def _bc_data(demos: list[Trajectory]):
-    """Concatenate demonstration batches; trim the right padding every row shares."""
+    """Concatenate demonstration batches; trim the right padding every row shares (the forward
+    pass only needs the longest row). -> ((tokens, loss_mask, valid_mask) [N, W], expert success, N)."""
     data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
     width = int(jnp.max(data.lengths)) + 1
     width = min(data.tokens.shape[1], -(-width // 64) * 64)
@@ -238,13 +240,10 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     ``warmup_cfg`` keys: steps, single_turn_steps, batch_size, lr, num_states, action_noise, seed,
     log_every.
     """
-    import dataclasses
-
-    from ragen_jax.rollout.agent import make_rollout
-
     t0 = time.time()
     single_steps = int(warmup_cfg.get("single_turn_steps", 0))
     total = warmup_cfg.steps + single_steps
+
     def states_for(n_steps):  # no more distinct states than the phase can visit
         cap = n_steps * warmup_cfg.batch_size
         return min(warmup_cfg.num_states, cap) if warmup_cfg.num_states else cap
@@ -256,11 +255,11 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         # Different start states from phase 2 (seed + 1): more boards seen for the same cost.
         phases.append(("single_turn", single_steps,
                        demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
-                                    warmup_cfg.action_noise)))
+                                      warmup_cfg.action_noise)))
     if warmup_cfg.steps:
         phases.append(("conversation", warmup_cfg.steps,
                        demonstrations(rollout, params, states_for(warmup_cfg.steps), warmup_cfg.seed,
-                                    warmup_cfg.action_noise)))
+                                      warmup_cfg.action_noise)))
 
     graphdef = rollout.graphdef
     lr = optax.warmup_cosine_decay_schedule(0.0, warmup_cfg.lr, max(1, total // 20), max(total, 2),
