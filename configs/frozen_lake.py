@@ -17,7 +17,9 @@ goal's cells off the grid. Two choices do that within the budget:
     whole one; FrozenLake is Markov, so a start state is also a mid-episode state) with batches
     of 8, then a short phase on whole conversations.
 
-The sizes here are chosen for a 2-core CPU; for real models use the RAGEN defaults of base.py:
+The learning rates and warm-up here are for the tiny preset: with a pretrained preset pass the
+original's ``--config.starpo.actor_lr=1e-6`` (and a warm-up sized for it), as in the README's SmolLM2
+command. The sizes are chosen for a 2-core CPU; for real models use the RAGEN defaults of base.py:
     --config.model.preset=qwen2.5-0.5b --config.model.path=/path --config.rollout.num_groups=8 ...
 """
 from configs import base
