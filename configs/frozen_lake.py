@@ -35,9 +35,9 @@ def get_config():
     c.model.tiny.hidden_size = 64
     c.model.tiny.intermediate_size = 192
     c.model.tiny.num_layers = 2
-    c.model.tiny.num_heads = 4
-    c.model.tiny.num_kv_heads = 2
-    c.model.tiny.head_dim = 16
+    c.model.tiny.num_heads = 8
+    c.model.tiny.num_kv_heads = 4
+    c.model.tiny.head_dim = 8
     c.model.tiny.rope_theta = 100.0  # short-range position resolution (see the docstring)
 
     c.rollout.num_groups = 4
@@ -65,15 +65,15 @@ def get_config():
     c.collapse.micro_batch_size = 32
     c.collapse.max_reasoning_tokens = 40
 
-    c.trainer.total_steps = 120
-    c.trainer.eval_every = 40
-    c.trainer.save_every = 40
+    c.trainer.total_steps = 100
+    c.trainer.eval_every = 25
+    c.trainer.save_every = 25
     c.trainer.time_limit_minutes = 14.0  # leaves room for start-up and the final validation
     c.trainer.transcript_every = 10
     c.trainer.stop_on_empty_filter = False
 
-    c.warmup.single_turn_steps = 3500
-    c.warmup.steps = 150
+    c.warmup.single_turn_steps = 1200
+    c.warmup.steps = 800
     c.warmup.batch_size = 8
     c.warmup.lr = 3e-3
     c.warmup.num_states = 2048

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ragen_jax.models.kv_cache import init_cache
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
@@ -177,36 +178,60 @@ def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_
 # --------------------------------------------------------------------------------------------
 
 
-def bc_loss(graphdef, params, tokens, loss_mask, valid_mask):
+def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0):
     """Token-mean cross-entropy of the assistant tokens.
 
     Args:
       tokens, loss_mask, valid_mask: ``[B, L]`` (the Trajectory's). ``tokens[:, t]`` is predicted
         by the logits at ``t - 1``.
+      prefix_len: static; when > 0, ``tokens[:, :prefix_len]`` must be the same in every row and
+        ``loss_mask[:, :prefix_len + 1]`` all False (see ``shared_prefix_length``). The prefix — the system prompt every demonstration starts with — is then run once, for one row,
+        and its keys/values broadcast to the batch: the gradient is the same, the prompt's share of
+        the compute is paid once per batch instead of once per row.
     Returns:
       (loss, accuracy) scalars over the masked tokens.
     """
     model = nnx.merge(graphdef, params)
     B, L = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    logits, _ = model(tokens, positions)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    target = tokens[:, 1:]
+    P = prefix_len
+    cache = None
+    if P:
+        cache = init_cache(model.cfg, 1, L)
+        _, cache = model.hidden(tokens[:1, :P], jnp.arange(P, dtype=jnp.int32)[None], cache)
+        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (x.shape[0], B) + x.shape[2:]), cache)
+    positions = jnp.broadcast_to(jnp.arange(P, L, dtype=jnp.int32), (B, L - P))
+    hidden, _ = model.hidden(tokens[:, P:], positions, cache)
+    logits = model.logits(hidden[:, :-1])  # position t predicts t + 1: scores tokens P+1 .. L-1
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target = tokens[:, P + 1:]
     tok_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-    mask = (loss_mask[:, 1:] & valid_mask[:, 1:]).astype(jnp.float32)
+    mask = (loss_mask[:, P + 1:] & valid_mask[:, P + 1:]).astype(jnp.float32)
     denom = jnp.maximum(mask.sum(), 1.0)
     loss = -(tok_logp * mask).sum() / denom
     acc = ((jnp.argmax(logp, -1) == target) * mask).sum() / denom
     return loss, acc
 
 
-def make_bc_step(graphdef, tx: optax.GradientTransformation) -> Callable:
+def shared_prefix_length(tokens: np.ndarray, loss_mask: np.ndarray) -> int:
+    """The longest prefix every row of ``tokens [N, L]`` shares and that ``bc_loss`` may run once:
+    no loss token inside it, or as the first token after it (that one is predicted from the last
+    prefix position, which the suffix pass does not produce)."""
+    tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
+    differs = np.flatnonzero(np.any(tokens != tokens[:1], axis=0))
+    common = int(differs[0]) if differs.size else tokens.shape[1]
+    trained = np.flatnonzero(np.any(loss_mask, axis=0))
+    if trained.size:
+        common = min(common, int(trained[0]) - 1)
+    return max(common, 0)
+
+
+def make_bc_step(graphdef, tx: optax.GradientTransformation, prefix_len: int = 0) -> Callable:
     """``step(params, opt_state, tokens, loss_mask, valid_mask) -> (params, opt_state, metrics)`` (jitted)."""
 
     @jax.jit
     def step(params, opt_state, tokens, loss_mask, valid_mask):
         (loss, acc), grads = jax.value_and_grad(
-            lambda p: bc_loss(graphdef, p, tokens, loss_mask, valid_mask), has_aux=True)(params)
+            lambda p: bc_loss(graphdef, p, tokens, loss_mask, valid_mask, prefix_len), has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "token_accuracy": acc, "grad_norm": optax.global_norm(grads)}
@@ -219,7 +244,7 @@ def _bc_data(demos: list[Trajectory]):
     pass only needs the longest row). -> ((tokens, loss_mask, valid_mask) [N, W], expert success, N)."""
     data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
     width = int(jnp.max(data.lengths)) + 1
-    width = min(data.tokens.shape[1], -(-width // 64) * 64)
+    width = min(data.tokens.shape[1], -(-width // 8) * 8)
     arrays = tuple(x[:, :width] for x in (data.tokens, data.loss_mask, data.valid_mask))
     return arrays, float(jnp.mean(data.success)), data.tokens.shape[0]
 
@@ -266,7 +291,6 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
                                             end_value=0.1 * warmup_cfg.lr)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.0))
     opt_state = tx.init(params)
-    step_fn = make_bc_step(graphdef, tx)
     rng = np.random.default_rng(warmup_cfg.seed)
     metrics = {}
     summary = {}
@@ -281,6 +305,10 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         summary[f"warmup/{name}_demonstrations"] = float(n)
         summary[f"warmup/{name}_expert_success"] = expert_success
         bs = min(warmup_cfg.batch_size, n)
+        # Every demonstration opens with the same system prompt: run it once per batch.
+        prefix = shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
+        step_fn = make_bc_step(graphdef, tx, prefix)
+        summary[f"warmup/{name}_shared_prefix_tokens"] = float(prefix)
         order, cursor = rng.permutation(n), 0
         for _ in range(n_steps):
             if cursor + bs > n:

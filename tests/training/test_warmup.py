@@ -14,6 +14,7 @@ import environments
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout
 from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
+from ragen_jax.training import warmup as warmup_lib
 from ragen_jax.training.warmup import bc_loss, expert_replies, frozen_lake_reasoning, reply_text
 from ragen_jax.models import Decoder
 from ml_collections import ConfigDict
@@ -105,6 +106,41 @@ def test_bc_loss_matches_numpy(setup):
     np.testing.assert_allclose(float(acc), ((logp[:, :-1].argmax(-1) == t[:, 1:]) * m).sum() / m.sum(), rtol=1e-6)
 
 
+def test_shared_prefix_bc_loss_equals_full_pass(setup):
+    """Running the common system prompt once per batch changes the cost, not the loss or gradient."""
+    tok, graphdef, params, rollout, env, ep = setup
+    rng = np.random.default_rng(4)
+    B, L, P = 3, 30, 11
+    tokens = rng.integers(0, len(tok), (B, L))
+    tokens[:, :P] = tokens[0, :P]
+    tokens = jnp.asarray(tokens, jnp.int32)
+    valid = jnp.asarray(np.arange(L)[None] < np.array([[30], [25], [18]]))
+    loss_mask = jnp.asarray((rng.random((B, L)) < 0.5) & (np.arange(L)[None] > P)) & valid
+    assert warmup_lib.shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask)) == P
+
+    def grad(prefix):
+        return jax.value_and_grad(lambda p: bc_loss(graphdef, p, tokens, loss_mask, valid, prefix), has_aux=True)(params)
+
+    (full, full_acc), g_full = grad(0)
+    (shared, shared_acc), g_shared = grad(P)
+    np.testing.assert_allclose(float(shared), float(full), rtol=1e-5)
+    assert float(shared_acc) == float(full_acc)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_shared)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_shared_prefix_length_stops_before_the_first_trained_token():
+    tokens = np.array([[5, 6, 7, 8, 9, 1], [5, 6, 7, 8, 2, 3]])
+    none = np.zeros_like(tokens, bool)
+    assert warmup_lib.shared_prefix_length(tokens, none) == 4  # rows first differ at column 4
+    mask = none.copy()
+    mask[1, 3] = True  # token 3 is predicted from position 2: the prefix must end at 2
+    assert warmup_lib.shared_prefix_length(tokens, mask) == 2
+    assert warmup_lib.shared_prefix_length(tokens[:1], none[:1]) == 6
+    mask[0, 0] = True
+    assert warmup_lib.shared_prefix_length(tokens, mask) == 0
+
+
 def test_main_job_conversations_fit_every_solvable_start():
     """The main job's rollout (configs/frozen_lake.py) has room for all ``max_turns`` turns.
 
@@ -151,10 +187,6 @@ def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monke
     """
     import dataclasses
 
-    from ml_collections import ConfigDict
-
-    from ragen_jax.training import warmup as warmup_lib
-
     tok, graphdef, params, rollout, env, ep = setup
     one_turn = make_rollout(graphdef, env, ep, tok, dataclasses.replace(rollout.config, max_turns=1))
     keys = jax.random.split(jax.random.key(5), 4)
@@ -176,8 +208,8 @@ def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monke
     seen = []
     real_step = warmup_lib.make_bc_step
 
-    def spy(graphdef_, tx):
-        step = real_step(graphdef_, tx)
+    def spy(graphdef_, tx, prefix_len=0):
+        step = real_step(graphdef_, tx, prefix_len)
 
         def wrapped(p, o, tokens, loss_mask, valid_mask):
             seen.append(tokens.shape[1])
