@@ -5,17 +5,22 @@
 A behaviour-cloning warm-up, then StarPO (GRPO advantages: no critic to train, which halves the
 CPU cost of an update) with the SNR filter keeping the high reward-variance groups. Deterministic
 ice (``success_rate=1.0``) as in RAGEN-2's main table. Validation on 256 fixed puzzles at
-temperature 0.5 after the warm-up (before RL) and every 40 StarPO steps. The run stops (with a
+temperature 0.5 after the warm-up (before RL) and every 25 StarPO steps. The run stops (with a
 final validation) at ``trainer.time_limit_minutes=14`` if a slow machine has not finished all
 steps by then; start-up and that validation fit in the 15th minute.
 
 What makes a from-scratch 64-wide model learn the task at all is reading the player's and the
-goal's cells off the grid. Two choices do that within the budget:
+goal's cells off the grid, then doing so again in every later turn of a conversation. Three choices
+do that within the budget:
   * ``rope_theta=100`` instead of 10,000: the rotary frequencies then resolve offsets of one to a
     few dozen tokens (a 4×4 board spans 20), so attention heads can tell the cells apart;
-  * the warm-up spends most of its steps on first-turn conversations (a third of the length of a
-    whole one; FrozenLake is Markov, so a start state is also a mid-episode state) with batches
-    of 8, then a short phase on whole conversations.
+  * 8 heads of width 8 instead of 4 of width 16: locating the player's row and column and the
+    goal's takes several position-reading heads (with 4, the model typically learned one object's
+    coordinates and stayed at chance on the other's);
+  * the warm-up first trains on first-turn conversations (a third of the length of a whole one;
+    FrozenLake is Markov, so a start state is also a mid-episode state), then on whole
+    conversations, where the model must read the latest of several boards. Whole conversations
+    get most of the warm-up's time: with few of them the later turns' replies fell apart.
 
 The learning rates and warm-up here are for the tiny preset: with a pretrained preset pass the
 original's ``--config.starpo.actor_lr=1e-6`` (and a warm-up sized for it), as in the README's SmolLM2
@@ -52,7 +57,7 @@ def get_config():
     c.rollout.max_words = 30
 
     c.starpo.adv_estimator = "grpo"
-    c.starpo.mini_batch_size = 32
+    c.starpo.mini_batch_size = 16  # two policy updates per rollout batch of 32
     c.starpo.actor_lr = 5e-4  # below the tiny preset's 1e-3: RL refines a warmed-up policy
     c.starpo.entropy_coeff = 0.001
     c.filter.strategy = "top_p"

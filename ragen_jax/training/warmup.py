@@ -262,6 +262,9 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
        state, and this is where the model learns to read the board.
     2. ``steps`` on whole multi-turn expert conversations (the context RL rollouts produce).
 
+    Each step runs the system prompt every demonstration starts with once, not once per row
+    (``shared_prefix_length``, ``bc_loss(prefix_len=...)``).
+
     ``warmup_cfg`` keys: steps, single_turn_steps, batch_size, lr, num_states, action_noise, seed,
     log_every.
     """
