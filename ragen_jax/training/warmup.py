@@ -185,9 +185,10 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
       tokens, loss_mask, valid_mask: ``[B, L]`` (the Trajectory's). ``tokens[:, t]`` is predicted
         by the logits at ``t - 1``.
       prefix_len: static; when > 0, ``tokens[:, :prefix_len]`` must be the same in every row and
-        ``loss_mask[:, :prefix_len + 1]`` all False (see ``shared_prefix_length``). The prefix — the system prompt every demonstration starts with — is then run once, for one row,
-        and its keys/values broadcast to the batch: the gradient is the same, the prompt's share of
-        the compute is paid once per batch instead of once per row.
+        ``loss_mask[:, :prefix_len + 1]`` all False (see ``shared_prefix_length``). The prefix (the
+        system prompt every demonstration starts with) is then run once, for one row, and its
+        keys/values broadcast to the batch: the gradient is the same, the prompt's share of the
+        compute is paid once per batch instead of once per row.
     Returns:
       (loss, accuracy) scalars over the masked tokens.
     """
@@ -215,10 +216,11 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
 def shared_prefix_length(tokens: np.ndarray, loss_mask: np.ndarray) -> int:
     """The longest prefix every row of ``tokens [N, L]`` shares and that ``bc_loss`` may run once:
     no loss token inside it, or as the first token after it (that one is predicted from the last
-    prefix position, which the suffix pass does not produce)."""
+    prefix position, which the suffix pass does not produce). At most ``L - 2``: the suffix keeps
+    at least one prediction."""
     tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
     differs = np.flatnonzero(np.any(tokens != tokens[:1], axis=0))
-    common = int(differs[0]) if differs.size else tokens.shape[1]
+    common = int(differs[0]) if differs.size else tokens.shape[1] - 2
     trained = np.flatnonzero(np.any(loss_mask, axis=0))
     if trained.size:
         common = min(common, int(trained[0]) - 1)

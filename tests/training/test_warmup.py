@@ -136,7 +136,7 @@ def test_shared_prefix_length_stops_before_the_first_trained_token():
     mask = none.copy()
     mask[1, 3] = True  # token 3 is predicted from position 2: the prefix must end at 2
     assert warmup_lib.shared_prefix_length(tokens, mask) == 2
-    assert warmup_lib.shared_prefix_length(tokens[:1], none[:1]) == 6
+    assert warmup_lib.shared_prefix_length(tokens[:1], none[:1]) == 4  # one row: all but one prediction
     mask[0, 0] = True
     assert warmup_lib.shared_prefix_length(tokens, mask) == 0
 
