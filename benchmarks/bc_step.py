@@ -13,7 +13,6 @@ milliseconds per step and the speed-up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -25,7 +24,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
-from ragen_jax.rollout.agent import make_rollout  # noqa: E402
 from ragen_jax.training import trainer, warmup  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 
@@ -52,16 +50,14 @@ def main():
     spec = resolve(frozen_lake.get_config())
     run = trainer.setup(spec)
     params = run.train_state.params
-    one_turn = make_rollout(run.rollout.graphdef, run.rollout.env, run.rollout.env_params, run.rollout.tokenizer,
-                            dataclasses.replace(run.rollout.config, max_turns=1))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.0))
     opt_state = tx.init(params)
     print(f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; main-job model "
           f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
     print("| demonstrations | batch | width | shared prefix | full pass ms | shared-prefix ms | speed-up |")
     print("|---|---|---|---|---|---|---|")
-    for name, rollout in (("first turn", one_turn), ("whole conversation", run.rollout)):
-        (tokens, loss_mask, valid_mask), _, _ = warmup._bc_data(warmup.demonstrations(rollout, params, args.states, 0))
+    for name, rollout in (("first turn", warmup.first_turn_rollout(run.rollout)), ("whole conversation", run.rollout)):
+        (tokens, loss_mask, valid_mask), _, _ = warmup.bc_data(warmup.demonstrations(rollout, params, args.states, 0))
         prefix = warmup.shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
         for b in args.batch:
             batch = (tokens[:b], loss_mask[:b], valid_mask[:b])

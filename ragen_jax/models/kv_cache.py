@@ -53,6 +53,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+def broadcast_cache(cache: KVCache, batch: int) -> KVCache:
+    """A one-row cache (a prompt prefilled once) shared by ``batch`` rows: [L, 1, S, K, Hd] ->
+    [L, batch, S, K, Hd]. A broadcast, not a copy; the rows' own writes then land per row."""
+    if cache.batch != 1:
+        raise ValueError(f"broadcast_cache needs a one-row cache, got batch={cache.batch}.")
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, x.shape[:1] + (batch,) + x.shape[2:]), cache)
+
+
 def write_layer(cache: KVCache, layer: int | jax.Array, positions: jax.Array,
                 k_new: jax.Array, v_new: jax.Array) -> KVCache:
     """Scatter one layer's new keys/values into their slots.

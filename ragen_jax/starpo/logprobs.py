@@ -105,7 +105,7 @@ def make_prefix_cached_cross_scorer(model, *, logprob_chunk_size: int):
     ``chunk_size`` (of ``cross_fn``) bounds how many reasoning rows share one broadcast cache at a
     time; ``logprob_chunk_size`` the positions per log-softmax chunk, as in ``logprobs_from_hidden``.
     """
-    from ragen_jax.models.kv_cache import init_cache
+    from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 
     def cross_fn(tokens, x_rows, x_len, z_rows, z_start, z_len, *, max_reasoning_tokens, chunk_size):
         seq_len = tokens.shape[1]
@@ -136,7 +136,7 @@ def make_prefix_cached_cross_scorer(model, *, logprob_chunk_size: int):
             def rows(chunk):
                 zt, zm = chunk
                 n = zt.shape[0]
-                shared = jax.tree.map(lambda c: jnp.broadcast_to(c, c.shape[:1] + (n,) + c.shape[2:]), cache)
+                shared = broadcast_cache(cache, n)
                 z_pos = jnp.broadcast_to(xl + t, (n, max_z)).astype(jnp.int32)
                 h, _ = model.hidden(zt, z_pos, shared)
                 rest, _ = logprobs_from_hidden(model, h, zt, chunk_size=logprob_chunk_size, with_entropy=False)

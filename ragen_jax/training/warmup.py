@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ragen_jax.models.kv_cache import init_cache
+from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
@@ -199,7 +199,7 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
     if P:
         cache = init_cache(model.cfg, 1, L)
         _, cache = model.hidden(tokens[:1, :P], jnp.arange(P, dtype=jnp.int32)[None], cache)
-        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (x.shape[0], B) + x.shape[2:]), cache)
+        cache = broadcast_cache(cache, B)
     positions = jnp.broadcast_to(jnp.arange(P, L, dtype=jnp.int32), (B, L - P))
     hidden, _ = model.hidden(tokens[:, P:], positions, cache)
     logits = model.logits(hidden[:, :-1])  # position t predicts t + 1: scores tokens P+1 .. L-1
@@ -241,7 +241,13 @@ def make_bc_step(graphdef, tx: optax.GradientTransformation, prefix_len: int = 0
     return step
 
 
-def _bc_data(demos: list[Trajectory]):
+def first_turn_rollout(rollout: Rollout) -> Rollout:
+    """The same rollout stopped after one turn: the first-turn demonstrations of phase 1."""
+    return make_rollout(rollout.graphdef, rollout.env, rollout.env_params, rollout.tokenizer,
+                        dataclasses.replace(rollout.config, max_turns=1))
+
+
+def bc_data(demos: list[Trajectory]):
     """Concatenate demonstration batches; trim the right padding every row shares (the forward
     pass only needs the longest row). -> ((tokens, loss_mask, valid_mask) [N, W], expert success, N)."""
     data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
@@ -280,11 +286,9 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
     phases = []
     if single_steps:
-        one_turn = make_rollout(rollout.graphdef, rollout.env, rollout.env_params, rollout.tokenizer,
-                                dataclasses.replace(rollout.config, max_turns=1))
         # Different start states from phase 2 (seed + 1): more boards seen for the same cost.
         phases.append(("single_turn", single_steps,
-                       demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
+                       demonstrations(first_turn_rollout(rollout), params, states_for(single_steps), warmup_cfg.seed + 1,
                                       warmup_cfg.action_noise)))
     if warmup_cfg.steps:
         phases.append(("conversation", warmup_cfg.steps,
@@ -306,7 +310,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
         bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
     for name, n_steps, demos in phases:
-        (tokens, loss_mask, valid_mask), expert_success, n = _bc_data(demos)
+        (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos)
         summary[f"warmup/{name}_demonstrations"] = float(n)
         summary[f"warmup/{name}_expert_success"] = expert_success
         bs = min(warmup_cfg.batch_size, n)

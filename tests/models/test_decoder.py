@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from ragen_jax.models import Critic, Decoder, ModelConfig, ValueHead, init_cache
+from ragen_jax.models.kv_cache import broadcast_cache
 from ragen_jax.models.loading import from_hf_state_dict
 from tests.models import torch_reference as ref
 
@@ -184,6 +185,14 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
         model(jnp.asarray(tokens, jnp.float32), jnp.asarray(positions))
     with pytest.raises(ValueError, match="init_cache"):
         model(jnp.asarray(tokens), jnp.asarray(positions), init_cache(cfg.replace(num_layers=2), 1, 4))
+
+    # A prompt prefilled once serves several rows: every row sees the same slots.
+    shared = broadcast_cache(cache, 3)
+    assert shared.k.shape == (1, 3, 4, 1, 4)
+    for row in range(3):
+        np.testing.assert_array_equal(np.asarray(shared.k[0, row]), ck[0, 0])
+    with pytest.raises(ValueError, match="one-row cache"):
+        broadcast_cache(shared, 2)
 
 
 def test_scan_and_loop_agree_from_same_rngs():
