@@ -50,10 +50,11 @@ def get_config():
     c.rollout.max_turns = 3  # 3 turns × 2 actions: every 4×4 map's shortest path fits
     c.rollout.max_actions_per_traj = 6
     c.rollout.max_new_tokens = 40
-    # System prompt (~141 tokens) + 3 turns of (user block <= ~85 + reply 40 + close) needs ~520:
-    # at 512 the third turn never fits, so every puzzle needing 5-6 moves was unsolvable
-    # (expert demonstrations succeeded on only ~90% of start states).
-    c.rollout.max_seq_len = 640
+    # System prompt (120 tokens) + 3 turns of (user block <= ~85 + reply <= 40 + close): the longest
+    # expert conversation is 498 tokens, a random policy's 532. At 512 the third turn often did not
+    # fit (expert demonstrations succeeded on only ~90% of start states); every extra slot is paid
+    # for in every StarPO update, whose cost grows with the square of this length.
+    c.rollout.max_seq_len = 544
     c.rollout.max_words = 30
 
     c.starpo.adv_estimator = "grpo"

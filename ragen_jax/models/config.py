@@ -46,6 +46,9 @@ class ModelConfig:
         (faster compile for deep models on accelerators); False = a Python loop over layers (faster
         decode on CPU). Both give the same numbers.
       remat: recompute each layer's activations in the backward pass (`jax.checkpoint`).
+      attention_block_size: queries per block of the causal attention of a whole sequence (no KV
+        cache): blocks above the diagonal are skipped, ~half the attention work on long rows;
+        0 = one [T, T] masked softmax. Same numbers either way.
     """
 
     vocab_size: int
@@ -69,6 +72,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False
     remat: bool = False
+    attention_block_size: int = 64
 
     def __post_init__(self):
         # Frozen dataclass: normalise fields through object.__setattr__.

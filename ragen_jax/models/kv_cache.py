@@ -41,6 +41,23 @@ class KVCache(NamedTuple):
         return self.k.shape[1]
 
 
+class SharedPrefix(NamedTuple):
+    """Keys and values (after RoPE) of a prompt that every row of a teacher-forced pass continues.
+
+    k, v: [layers, 1 or batch, prefix_len, kv_heads, head_dim]. Passed as the ``cache`` of
+    ``Decoder.hidden``, it is read-only: the new tokens (at positions ``prefix_len, ...``) attend to
+    all of it and causally among themselves, and it comes back unchanged. Built by
+    ``Decoder.encode_prefix``; one row of it serves any batch (the prompt is run once).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero cache; `dtype` defaults to the model's compute dtype.
 

@@ -75,11 +75,39 @@ def logprobs_from_hidden(
 
 
 def sequence_logprobs(
-    model, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True
+    model, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True, shared_prefix_len: int = 0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One trunk pass over right-padded rows: (logp [B, L], entropy [B, L], hidden [B, L, D])."""
-    hidden, _ = model.hidden(tokens, positions_for(tokens))
-    logp, ent = logprobs_from_hidden(model, hidden, tokens, chunk_size=chunk_size, with_entropy=with_entropy)
+    """One trunk pass over right-padded rows: (logp [B, L], entropy [B, L], hidden [B, L, D]).
+
+    ``shared_prefix_len`` (static, P): ``tokens[:, :P]`` are the same in every row (the system prompt
+    every rollout starts with). Those P positions are then run once, for row 0, and the rows continue
+    from their keys/values (``Decoder.encode_prefix``): the same outputs as the full pass, without
+    paying the prompt's trunk, attention and LM-head cost once per row.
+    """
+    P = shared_prefix_len
+    if not P:
+        hidden, _ = model.hidden(tokens, positions_for(tokens))
+        logp, ent = logprobs_from_hidden(model, hidden, tokens, chunk_size=chunk_size, with_entropy=with_entropy)
+        return logp, ent, hidden
+    batch, seq_len = tokens.shape
+    if not 0 < P < seq_len:
+        raise ValueError(f"shared_prefix_len={P} must be in [0, {seq_len}) for rows of {seq_len} tokens.")
+    h_pre, prefix = model.encode_prefix(tokens[:1, :P])
+    positions = jnp.broadcast_to(jnp.arange(P, seq_len, dtype=jnp.int32), (batch, seq_len - P))
+    h_rest, _ = model.hidden(tokens[:, P:], positions, prefix)
+    # Scores of tokens 1..P-1 (shared), of token P (row-specific, from the prefix's last position),
+    # and of P+1.. (from the rows' own positions).
+    lp_pre, ent_pre = logprobs_from_hidden(model, h_pre, tokens[:1, :P], chunk_size=chunk_size,
+                                           with_entropy=with_entropy)
+    first = jax.nn.log_softmax(model.logits(h_pre[:, P - 1:])[0, 0].astype(jnp.float32))  # [V]
+    lp_first = first[tokens[:, P]]
+    ent_first = -jnp.sum(jnp.exp(first) * first) if with_entropy else jnp.zeros((), jnp.float32)
+    lp_rest, ent_rest = logprobs_from_hidden(model, h_rest, tokens[:, P:], chunk_size=chunk_size,
+                                             with_entropy=with_entropy)
+    logp = jnp.concatenate([jnp.broadcast_to(lp_pre, (batch, P)), lp_first[:, None], lp_rest[:, 1:]], axis=1)
+    ent = jnp.concatenate([jnp.broadcast_to(ent_pre, (batch, P)),
+                           jnp.broadcast_to(ent_first, (batch, 1)), ent_rest[:, 1:]], axis=1)
+    hidden = jnp.concatenate([jnp.broadcast_to(h_pre, (batch,) + h_pre.shape[1:]), h_rest], axis=1)
     return logp, ent, hidden
 
 

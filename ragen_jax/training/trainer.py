@@ -121,8 +121,10 @@ def setup(spec: RunSpec) -> Setup:
     # The update donates its input state: every leaf must own its buffer (init may share one zero).
     train_state = _own_buffers(train_state)
     rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout)
+    # Every rollout row opens with the same system prompt: the update runs it once per batch.
     update = make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
-                              group_size=spec.rollout.group_size)
+                              group_size=spec.rollout.group_size,
+                              shared_prefix_len=len(rollout.codec.preamble_ids))
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update)
 
 

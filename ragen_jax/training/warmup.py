@@ -31,7 +31,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
@@ -186,22 +185,18 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
         by the logits at ``t - 1``.
       prefix_len: static; when > 0, ``tokens[:, :prefix_len]`` must be the same in every row and
         ``loss_mask[:, :prefix_len + 1]`` all False (see ``shared_prefix_length``). The prefix (the
-        system prompt every demonstration starts with) is then run once, for one row, and its
-        keys/values broadcast to the batch: the gradient is the same, the prompt's share of the
-        compute is paid once per batch instead of once per row.
+        system prompt every demonstration starts with) is then run once, for one row, and every
+        row continues from its keys/values (``Decoder.encode_prefix``): the gradient is the same,
+        the prompt's share of the compute is paid once per batch instead of once per row.
     Returns:
       (loss, accuracy) scalars over the masked tokens.
     """
     model = nnx.merge(graphdef, params)
     B, L = tokens.shape
     P = prefix_len
-    cache = None
-    if P:
-        cache = init_cache(model.cfg, 1, L)
-        _, cache = model.hidden(tokens[:1, :P], jnp.arange(P, dtype=jnp.int32)[None], cache)
-        cache = broadcast_cache(cache, B)
+    prefix = model.encode_prefix(tokens[:1, :P])[1] if P else None
     positions = jnp.broadcast_to(jnp.arange(P, L, dtype=jnp.int32), (B, L - P))
-    hidden, _ = model.hidden(tokens[:, P:], positions, cache)
+    hidden, _ = model.hidden(tokens[:, P:], positions, prefix)
     logits = model.logits(hidden[:, :-1])  # position t predicts t + 1: scores tokens P+1 .. L-1
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     target = tokens[:, P + 1:]

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from ragen_jax.models import Critic, Decoder, ModelConfig, ValueHead, init_cache
-from ragen_jax.models.kv_cache import broadcast_cache
+from ragen_jax.models.kv_cache import SharedPrefix, broadcast_cache
 from ragen_jax.models.loading import from_hf_state_dict
 from tests.models import torch_reference as ref
 
@@ -126,6 +126,35 @@ def test_token_by_token_cache_equals_full_recompute(qwen2, scan_layers):
         logits, cache = fwd(tokens[:, t:t + 1], np.full((3, 1), t, np.int32), cache)
         steps.append(np.asarray(logits[:, 0]))
     np.testing.assert_allclose(np.stack(steps, axis=1), np.asarray(full), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block", [0, 4, 5])
+def test_blocked_causal_attention_matches_transformers(block, qwen2):
+    """Query blocks that skip the score blocks above the diagonal (4 and 5 split 13 tokens
+    unevenly; 0 = one masked softmax) give the transformers model's logits."""
+    cfg, model = _ours(qwen2, attention_block_size=block)
+    tokens = _tokens(2, 13, cfg.vocab_size, seed=4)
+    logits, _ = _jitted(model)(tokens, _arange(2, 13))
+    np.testing.assert_allclose(np.asarray(logits), ref.torch_logits(qwen2, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_shared_prefix_continuation_matches_transformers(llama, scan_layers):
+    """A prompt run once (one row) and continued by every row gives each whole row's logits."""
+    cfg, model = _ours(llama, scan_layers=scan_layers, attention_block_size=4)
+    tokens = _tokens(3, 15, cfg.vocab_size, seed=5)
+    tokens[:, :6] = tokens[0, :6]
+    expected = ref.torch_logits(llama, tokens)
+    h_pre, prefix = model.encode_prefix(jnp.asarray(tokens[:1, :6]))
+    assert isinstance(prefix, SharedPrefix) and prefix.length == 6 and prefix.k.shape[1] == 1
+    hidden, out = model.hidden(jnp.asarray(tokens[:, 6:]), jnp.asarray(_arange(3, 9, start=6)), prefix)
+    for a, b in zip(out, prefix):  # read-only: comes back unchanged
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(model.logits(h_pre)), expected[:1, :6], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(model.logits(hidden)), expected[:, 6:], atol=ATOL, rtol=0)
+    two_rows = SharedPrefix(*(jnp.concatenate([x, x], axis=1) for x in prefix))
+    with pytest.raises(ValueError, match="cannot serve 3 rows"):
+        model.hidden(jnp.asarray(tokens[:, 6:]), jnp.asarray(_arange(3, 9, start=6)), two_rows)
 
 
 @pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])

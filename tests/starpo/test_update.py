@@ -347,6 +347,26 @@ def test_micro_batching_gives_the_same_update_end_to_end():
 
 
 @pytest.mark.slow
+def test_shared_prompt_once_per_batch_gives_the_same_update():
+    """``shared_prefix_len``: the preamble every row opens with ([7, 8]) run once per batch."""
+    base = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, adam_eps=10.0, weight_decay=0.0,
+                grad_clip=1e6, logprob_chunk_size=8)
+    traj = random_traj(51)
+    assert np.all(np.asarray(traj.tokens[:, :2]) == [7, 8])
+    cfg = StarPOConfig(**base)
+    results = []
+    for prefix in (0, 2):
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE, shared_prefix_len=prefix)
+        results.append(update(state, traj))
+    (s_full, m_full), (s_once, m_once) = results
+    assert tree_max_abs_diff(s_full.params, s_once.params) < 1e-6
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        np.testing.assert_allclose(float(m_full[key]), float(m_once[key]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("critic_mode", ["shared", "separate"])
 def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
     cfg = StarPOConfig(adv_estimator="gae", critic=critic_mode, mini_batch_size=8, micro_batch_size=4,
