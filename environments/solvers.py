@@ -164,27 +164,7 @@ def frozen_lake_shortest_path(desc_or_grid, start: Sequence[int], goal: Sequence
     return None
 
 
-def frozen_lake_distances(desc_or_grid, goal: Sequence[int]) -> np.ndarray:
-    """Moves from every cell to ``goal`` avoiding holes: int [rows, cols], -1 where unreachable
-    (holes included). BFS from the goal; moves are reversible, so this is also the distance *to* it."""
-    holes = _holes(desc_or_grid)
-    rows, cols = holes.shape
-    goal = tuple(int(v) for v in goal)
-    dist = np.full((rows, cols), -1, np.int64)
-    dist[goal] = 0
-    queue = deque([goal])
-    while queue:
-        cell = queue.popleft()
-        for dr, dc in FROZEN_LAKE_MOVES:
-            nxt = (cell[0] + dr, cell[1] + dc)
-            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and not holes[nxt] and dist[nxt] < 0:
-                dist[nxt] = dist[cell] + 1
-                queue.append(nxt)
-    return dist
-
-
-__all__ = ["FROZEN_LAKE_MOVES", "SOKOBAN_MOVES", "frozen_lake_distances", "frozen_lake_shortest_path",
-           "solve_sokoban"]
+__all__ = ["FROZEN_LAKE_MOVES", "SOKOBAN_MOVES", "frozen_lake_shortest_path", "solve_sokoban"]
 
 
 def _backtrack(parent: dict, node) -> list[int]:

@@ -95,18 +95,15 @@ def sequence_logprobs(
     h_pre, prefix = model.encode_prefix(tokens[:1, :P])
     positions = jnp.broadcast_to(jnp.arange(P, seq_len, dtype=jnp.int32), (batch, seq_len - P))
     h_rest, _ = model.hidden(tokens[:, P:], positions, prefix)
-    # Scores of tokens 1..P-1 (shared), of token P (row-specific, from the prefix's last position),
-    # and of P+1.. (from the rows' own positions).
+    # Tokens 1..P-1 are scored once (shared); token P onwards per row, from the prefix's last
+    # position followed by the rows' own: scoring tokens[:, P-1:] gives [0, logp(P), logp(P+1), ...].
     lp_pre, ent_pre = logprobs_from_hidden(model, h_pre, tokens[:1, :P], chunk_size=chunk_size,
                                            with_entropy=with_entropy)
-    first = jax.nn.log_softmax(model.logits(h_pre[:, P - 1:])[0, 0].astype(jnp.float32))  # [V]
-    lp_first = first[tokens[:, P]]
-    ent_first = -jnp.sum(jnp.exp(first) * first) if with_entropy else jnp.zeros((), jnp.float32)
-    lp_rest, ent_rest = logprobs_from_hidden(model, h_rest, tokens[:, P:], chunk_size=chunk_size,
-                                             with_entropy=with_entropy)
-    logp = jnp.concatenate([jnp.broadcast_to(lp_pre, (batch, P)), lp_first[:, None], lp_rest[:, 1:]], axis=1)
-    ent = jnp.concatenate([jnp.broadcast_to(ent_pre, (batch, P)),
-                           jnp.broadcast_to(ent_first, (batch, 1)), ent_rest[:, 1:]], axis=1)
+    h_last = jnp.broadcast_to(h_pre[:, P - 1:], (batch, 1, h_pre.shape[-1]))
+    lp_rest, ent_rest = logprobs_from_hidden(model, jnp.concatenate([h_last, h_rest], axis=1), tokens[:, P - 1:],
+                                             chunk_size=chunk_size, with_entropy=with_entropy)
+    logp = jnp.concatenate([jnp.broadcast_to(lp_pre, (batch, P)), lp_rest[:, 1:]], axis=1)
+    ent = jnp.concatenate([jnp.broadcast_to(ent_pre, (batch, P)), ent_rest[:, 1:]], axis=1)
     hidden = jnp.concatenate([jnp.broadcast_to(h_pre, (batch,) + h_pre.shape[1:]), h_rest], axis=1)
     return logp, ent, hidden
 

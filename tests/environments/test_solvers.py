@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from environments.solvers import frozen_lake_distances, frozen_lake_shortest_path, solve_sokoban
+from environments.solvers import frozen_lake_shortest_path, solve_sokoban
 from tests.environments.reference_sokoban import ReferenceSokoban
 
 UP, DOWN, LEFT, RIGHT = range(4)
@@ -97,20 +97,6 @@ def test_frozen_lake_shortest_path():
     assert len(frozen_lake_shortest_path(["SHG", "FFF"], (0, 0), (0, 2))) == 4
     assert frozen_lake_shortest_path(["SH", "HG"], (0, 0), (1, 1)) is None
     assert frozen_lake_shortest_path(desc, (2, 2), (2, 2)) == []
-
-
-def test_frozen_lake_distances():
-    # Hand-worked on "SHG" / "FFF": the hole forces the detour down, along and up.
-    np.testing.assert_array_equal(frozen_lake_distances(["SHG", "FFF"], (0, 2)), [[4, -1, 0], [3, 2, 1]])
-    # Unreachable cells (walled off by holes) and holes are -1.
-    np.testing.assert_array_equal(frozen_lake_distances(["SH", "HG"], (1, 1)), [[-1, -1], [-1, 0]])
-    # Against the path search on Gymnasium's map: every cell's distance is its shortest path's length.
-    desc = ["SFFF", "FHFH", "FFFH", "HFFG"]
-    dist = frozen_lake_distances(desc, (3, 3))
-    for r in range(4):
-        for c in range(4):
-            path = frozen_lake_shortest_path(desc, (r, c), (3, 3))
-            assert dist[r, c] == (-1 if path is None else len(path))
 
 
 def test_frozen_lake_map_forms_agree():

@@ -326,16 +326,18 @@ def test_init_rejects_a_critic_of_the_wrong_kind():
 # Slow: variants with their own compile
 
 
+# A large Adam epsilon makes the first step linear in the gradient (no sign amplification of tiny
+# float differences), so two ways of computing the same update give tightly comparable parameters.
+LINEAR_FIRST_STEP = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, adam_eps=10.0, weight_decay=0.0,
+                         grad_clip=1e6, logprob_chunk_size=8)
+
+
 @pytest.mark.slow
 def test_micro_batching_gives_the_same_update_end_to_end():
-    # A large Adam epsilon makes the first step linear in the gradient (no sign amplification of
-    # tiny float differences), so the parameters compare tightly.
-    base = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, adam_eps=10.0, weight_decay=0.0,
-                grad_clip=1e6, logprob_chunk_size=8)
     traj = random_traj(50)
     results = []
     for micro in (None, 1):
-        cfg = StarPOConfig(**base, micro_batch_size=micro)
+        cfg = StarPOConfig(**LINEAR_FIRST_STEP, micro_batch_size=micro)
         graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
         update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
                                     trajectory_enabled=False), group_size=GROUP_SIZE)
@@ -349,11 +351,9 @@ def test_micro_batching_gives_the_same_update_end_to_end():
 @pytest.mark.slow
 def test_shared_prompt_once_per_batch_gives_the_same_update():
     """``shared_prefix_len``: the preamble every row opens with ([7, 8]) run once per batch."""
-    base = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, adam_eps=10.0, weight_decay=0.0,
-                grad_clip=1e6, logprob_chunk_size=8)
     traj = random_traj(51)
     assert np.all(np.asarray(traj.tokens[:, :2]) == [7, 8])
-    cfg = StarPOConfig(**base)
+    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
     results = []
     for prefix in (0, 2):
         graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
