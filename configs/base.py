@@ -136,6 +136,12 @@ def get_config() -> ConfigDict:
     # BC steps on first-turn conversations, run first: ~3x shorter sequences, so the cheap place to
     # learn to read the board (the envs are Markov: a start state is also a mid-episode state).
     c.warmup.single_turn_steps = 0
+    # With reading_target > 0, single_turn_steps is a cap: the first-turn phase ends once the model
+    # reads the board (teacher-forced exact state description) on this fraction of heldout_states
+    # unseen start states, checked every check_every steps.
+    c.warmup.reading_target = 0.0
+    c.warmup.check_every = 200
+    c.warmup.heldout_states = 256
     c.warmup.batch_size = 32
     c.warmup.lr = 1e-3
     c.warmup.num_states = 0  # distinct start states to imitate (0 = a fresh one per episode)

@@ -178,6 +178,9 @@ def resolve(config: ConfigDict) -> RunSpec:
         _fail(f"warmup: steps={w.steps} (>= 0), single_turn_steps={w.single_turn_steps} (>= 0), "
               f"batch_size={w.batch_size} (>= 1), num_states={w.num_states} (>= 0), "
               f"action_noise={w.action_noise} (in [0, 1])")
+    if not 0.0 <= w.reading_target <= 1.0 or w.check_every < 1 or w.heldout_states < 1:
+        _fail(f"warmup: reading_target={w.reading_target} (in [0, 1]; 0 = run all single_turn_steps), "
+              f"check_every={w.check_every} (>= 1), heldout_states={w.heldout_states} (>= 1)")
     if (w.steps or w.single_turn_steps) and config.env.name not in ("sokoban", "frozen_lake"):
         key = "warmup.steps" if w.steps else "warmup.single_turn_steps"
         _fail(f"{key}={w.steps or w.single_turn_steps} but env.name={config.env.name!r} has no expert solver; "

@@ -310,12 +310,15 @@ def _console_summary(spec: RunSpec, summary: dict, stop_reason: str | None, work
              f"{summary.get('seconds', 0.0):.0f} s wall, {summary.get('cpu_seconds', 0.0):.0f} s CPU"
              + (f" (stopped: {stop_reason})" if stop_reason else "")]
     for key, label in (("warmup/expert_success", "expert success in demonstrations"),
+                       ("warmup/single_turn_steps", "warm-up first-turn steps run"),
+                       ("warmup/reading_accuracy", "warm-up held-out board reading"),
                        ("warmup/final_loss", "warm-up final BC loss"),
                        ("val/success_before_rl", "validation success before RL"),
                        ("val/success_final", "validation success, final"),
                        ("val/success_best", "validation success, best"),
                        ("train/success", "training success, last step")):
         if key in summary:
-            lines.append(f"   {label:<36} {summary[key]:.3f}")
+            value = f"{int(summary[key])}" if key.endswith("_steps") else f"{summary[key]:.3f}"
+            lines.append(f"   {label:<36} {value}")
     lines.append(f"   logs: {workdir / 'tensorboard'}   checkpoints: {workdir / 'checkpoints'}")
     return "\n".join(lines)

@@ -105,7 +105,7 @@ def _expert_plan(env_name: str, state) -> tuple[list[int], str]:
 
 
 def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generator,
-                   action_noise: float = 0.0) -> tuple[ForcedReplies, np.ndarray]:
+                   action_noise: float = 0.0) -> tuple[ForcedReplies, np.ndarray, np.ndarray]:
     """Scripted expert replies for the episodes started from ``env_keys``.
 
     Args:
@@ -113,7 +113,10 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
       env_keys: ``[B]`` reset keys, one per row.
       rng: host generator for ``action_noise``.
     Returns:
-      ``(ForcedReplies(tokens [B, T, N], lengths [B, T]), planned_success bool [B])``.
+      ``(ForcedReplies(tokens [B, T, N], lengths [B, T]), planned_success bool [B],
+      described int32 [B, T])``: ``described`` counts the reply's leading tokens that only restate
+      the observation (``"The player is at (2, 1) and the goal at (0, 3)"``, the reasoning before
+      its first ``;``) — what ``reading_accuracy`` checks.
     """
     env, ep, c = rollout.env, rollout.env_params, rollout.config
     names = tuple(env.action_names)
@@ -123,6 +126,7 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
     step = jax.jit(env.step_env)
     tokens = np.full((B, T, N), rollout.codec.pad_id, np.int32)
     lengths = np.zeros((B, T), np.int32)
+    described = np.zeros((B, T), np.int32)
     success = np.zeros((B,), bool)
     for b in range(B):
         state = jax.tree.map(lambda x: x[b], states)
@@ -135,12 +139,14 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
             acts = list(plan[: c.max_actions_per_turn])
             if not acts or (action_noise and rng.random() < action_noise):
                 acts = [int(rng.integers(len(names)))]
-            ids = codec_lib.encode(rollout.tokenizer, reply_text(reason(acts, names), acts, names, c.enable_think))
+            reasoning = reason(acts, names)
+            ids = codec_lib.encode(rollout.tokenizer, reply_text(reasoning, acts, names, c.enable_think))
             if len(ids) > N:
                 raise ValueError(f"an expert reply needs {len(ids)} tokens but rollout.max_new_tokens={N}; "
                                  "raise rollout.max_new_tokens")
             tokens[b, t, : len(ids)] = ids
             lengths[b, t] = len(ids)
+            described[b, t] = _described_tokens(rollout.tokenizer, reasoning, ids) if c.enable_think else 0
             for a in acts[: c.max_actions_per_traj - n_actions]:
                 skey = jax.random.fold_in(key, n_actions + 1)
                 _, state, _, term, trunc, info = step(skey, state, a, ep)
@@ -149,7 +155,35 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
                     done = True
                     success[b] = bool(info["success"]) and bool(term)
                     break
-    return ForcedReplies(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)), success
+    return ForcedReplies(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)), success, described
+
+
+def _described_tokens(tokenizer, reasoning: str, reply_ids: list[int]) -> int:
+    """Leading tokens of ``reply_ids`` that spell the state description (reasoning before its first
+    ``;`` or ``.``). Counted as the tokens shared with that text encoded alone: BPE may merge the
+    description's last character with the next one (``)`` + ``;`` -> ``);``), which then is not
+    counted."""
+    head = reasoning.split(";")[0].split(".")[0]
+    alone = codec_lib.encode(tokenizer, head)
+    n = 0
+    while n < min(len(alone), len(reply_ids)) and alone[n] == reply_ids[n]:
+        n += 1
+    return n
+
+
+def _demonstration_batches(rollout: Rollout, params, num_states: int, seed: int, action_noise: float = 0.0,
+                           max_batches: int | None = None):
+    """Yields ``(Trajectory, described [B, T])`` per batch of ``rollout`` rows (see ``demonstrations``)."""
+    B = rollout.config.batch_size
+    n_batches = max(1, -(-num_states // B))
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    rng = np.random.default_rng(seed)
+    base = jax.random.key(seed)
+    for i in range(n_batches):
+        env_keys = jax.random.split(jax.random.fold_in(base, i), B)
+        forced, _, described = expert_replies(rollout, env_keys, rng, action_noise)
+        yield rollout.run(params, env_keys, jax.random.fold_in(base, 10_000 + i), forced), described
 
 
 def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_noise: float = 0.0,
@@ -158,23 +192,24 @@ def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_
 
     ``num_states`` distinct start states (rounded up to whole batches); each row is its own state.
     """
-    B = rollout.config.batch_size
-    n_batches = max(1, -(-num_states // B))
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    rng = np.random.default_rng(seed)
-    base = jax.random.key(seed)
-    out = []
-    for i in range(n_batches):
-        env_keys = jax.random.split(jax.random.fold_in(base, i), B)
-        forced, _ = expert_replies(rollout, env_keys, rng, action_noise)
-        out.append(rollout.run(params, env_keys, jax.random.fold_in(base, 10_000 + i), forced))
-    return out
+    return [traj for traj, _ in _demonstration_batches(rollout, params, num_states, seed, action_noise, max_batches)]
 
 
 # --------------------------------------------------------------------------------------------
 # Behaviour cloning
 # --------------------------------------------------------------------------------------------
+
+
+def _next_token_logits(graphdef, params, tokens, prefix_len: int):
+    """Logits ``[B, L - P - 1, V]`` predicting ``tokens[:, P + 1:]``; the shared prefix
+    ``tokens[:, :P]`` (the same in every row) runs once, for one row (``Decoder.encode_prefix``)."""
+    model = nnx.merge(graphdef, params)
+    B, L = tokens.shape
+    P = prefix_len
+    prefix = model.encode_prefix(tokens[:1, :P])[1] if P else None
+    positions = jnp.broadcast_to(jnp.arange(P, L, dtype=jnp.int32), (B, L - P))
+    hidden, _ = model.hidden(tokens[:, P:], positions, prefix)
+    return model.logits(hidden[:, :-1])  # position t predicts t + 1
 
 
 def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0):
@@ -191,14 +226,8 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
     Returns:
       (loss, accuracy) scalars over the masked tokens.
     """
-    model = nnx.merge(graphdef, params)
-    B, L = tokens.shape
     P = prefix_len
-    prefix = model.encode_prefix(tokens[:1, :P])[1] if P else None
-    positions = jnp.broadcast_to(jnp.arange(P, L, dtype=jnp.int32), (B, L - P))
-    hidden, _ = model.hidden(tokens[:, P:], positions, prefix)
-    logits = model.logits(hidden[:, :-1])  # position t predicts t + 1: scores tokens P+1 .. L-1
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(_next_token_logits(graphdef, params, tokens, P).astype(jnp.float32), axis=-1)
     target = tokens[:, P + 1:]
     tok_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
     mask = (loss_mask[:, P + 1:] & valid_mask[:, P + 1:]).astype(jnp.float32)
@@ -206,6 +235,39 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
     loss = -(tok_logp * mask).sum() / denom
     acc = ((jnp.argmax(logp, -1) == target) * mask).sum() / denom
     return loss, acc
+
+
+def make_reading_check(graphdef, tokens, loss_mask, described, prefix_len: int = 0,
+                       chunk: int = 64) -> Callable[[Any], float]:
+    """``check(params) -> float``: the fraction of held-out first-turn demonstrations whose state
+    description the model reads exactly.
+
+    Teacher-forced: every token of the reply's description of the board (the ``described`` leading
+    reply tokens, e.g. ``The player is at (2, 1) and the goal at (0, 3)``) must be the argmax of
+    the model's next-token distribution. The template words are learned in a few steps; what this
+    measures is whether the model reads the cells' coordinates off the observation.
+
+    Args:
+      tokens, loss_mask: ``[N, L]`` one-turn demonstrations (the reply starts at the first loss token).
+      described: ``[N]`` description tokens per row (``expert_replies``).
+      prefix_len: as in ``bc_loss`` (the shared system prompt).
+      chunk: rows per forward pass (the last chunk is padded with repeated rows, so one program).
+    """
+    tokens, loss_mask, described = np.asarray(tokens), np.asarray(loss_mask), np.asarray(described)
+    n, P = tokens.shape[0], prefix_len
+    start = loss_mask.argmax(axis=1)
+    cols = np.arange(tokens.shape[1])[None]
+    checked = ((cols >= start[:, None]) & (cols < (start + described)[:, None]))[:, P + 1:]
+    pad = -n % chunk
+    tokens = np.concatenate([tokens, tokens[np.arange(pad) % n]]) if pad else tokens
+    predict = jax.jit(lambda p, t: jnp.argmax(_next_token_logits(graphdef, p, t, P), -1))
+
+    def check(params) -> float:
+        pred = np.concatenate([np.asarray(predict(params, jnp.asarray(tokens[i: i + chunk])))
+                               for i in range(0, tokens.shape[0], chunk)])[:n]
+        return float(np.mean(((pred == tokens[:n, P + 1:]) | ~checked).all(axis=1)))
+
+    return check
 
 
 def shared_prefix_length(tokens: np.ndarray, loss_mask: np.ndarray) -> int:
@@ -252,48 +314,88 @@ def bc_data(demos: list[Trajectory]):
     return arrays, float(jnp.mean(data.success)), data.tokens.shape[0]
 
 
+def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Callable[[int], float]:
+    """Learning rate at (0-based) step ``i``: linear warm-up over ``warm`` steps, constant, then a
+    cosine decay to 10% over the ``decay_steps`` steps from ``decay_start``."""
+
+    def lr(i: int) -> float:
+        if i < warm:
+            return peak * (i + 1) / warm
+        if i < decay_start:
+            return peak
+        frac = min(1.0, (i - decay_start) / max(decay_steps, 1))
+        return peak * (0.1 + 0.9 * 0.5 * (1.0 + np.cos(np.pi * frac)))
+
+    return lr
+
+
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
                progress: bool = True) -> tuple[Any, dict]:
     """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
 
-    Two phases share one AdamW optimiser and one learning-rate schedule (linear warm-up over the
-    first 5% of the steps, cosine decay to 10%):
+    Two phases share one AdamW optimiser:
 
-    1. ``single_turn_steps`` on first-turn conversations (system prompt, one observation, the
-       expert's reply). They are a third of a full conversation's length, so each step is ~2-3×
+    1. Up to ``single_turn_steps`` on first-turn conversations (system prompt, one observation, the
+       expert's reply). They are a third of a full conversation's length, so each step is ~3×
        cheaper; since FrozenLake and Sokoban are Markov, every start state is also a mid-episode
-       state, and this is where the model learns to read the board.
+       state, and this is where the model learns to read the board. How many steps that takes
+       varies a lot with the initialisation (a plateau at chance, then a quick rise, anywhere from
+       ~600 to over 1,500 steps for the main job's model), so with ``reading_target > 0`` the phase
+       ends as soon as ``make_reading_check`` on ``heldout_states`` unseen start states reaches it
+       (checked every ``check_every`` steps): a model that reads early gets the rest of the time
+       for conversations and RL, one that reads late still gets there.
     2. ``steps`` on whole multi-turn expert conversations (the context RL rollouts produce).
+
+    Learning rate: linear warm-up over the first 5% of ``single_turn_steps + steps``, constant
+    through phase 1 (its length is not known in advance), cosine decay to 10% over phase 2 (over
+    phase 1 when there is no phase 2).
 
     Each step runs the system prompt every demonstration starts with once, not once per row
     (``shared_prefix_length``, ``bc_loss(prefix_len=...)``).
 
     ``warmup_cfg`` keys: steps, single_turn_steps, batch_size, lr, num_states, action_noise, seed,
-    log_every.
+    log_every, and optionally reading_target (0 = run all ``single_turn_steps``), check_every,
+    heldout_states.
     """
     t0 = time.time()
     single_steps = int(warmup_cfg.get("single_turn_steps", 0))
-    total = warmup_cfg.steps + single_steps
+    conv_steps = int(warmup_cfg.steps)
+    target = float(warmup_cfg.get("reading_target", 0.0))
+    check_every = int(warmup_cfg.get("check_every", 200))
+    total = conv_steps + single_steps
 
     def states_for(n_steps):  # no more distinct states than the phase can visit
         cap = n_steps * warmup_cfg.batch_size
         return min(warmup_cfg.num_states, cap) if warmup_cfg.num_states else cap
 
     phases = []
+    check = None
     if single_steps:
+        one_turn = first_turn_rollout(rollout)
         # Different start states from phase 2 (seed + 1): more boards seen for the same cost.
         phases.append(("single_turn", single_steps,
-                       demonstrations(first_turn_rollout(rollout), params, states_for(single_steps), warmup_cfg.seed + 1,
+                       demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
                                       warmup_cfg.action_noise)))
-    if warmup_cfg.steps:
-        phases.append(("conversation", warmup_cfg.steps,
-                       demonstrations(rollout, params, states_for(warmup_cfg.steps), warmup_cfg.seed,
+        if target > 0:
+            # Held-out start states (another seed) with noise-free expert replies.
+            batches = list(_demonstration_batches(one_turn, params, int(warmup_cfg.get("heldout_states", 256)),
+                                                  warmup_cfg.seed + 2))
+            held = jax.tree.map(lambda *xs: np.concatenate(xs), *[t for t, _ in batches])
+            described = np.concatenate([d[:, 0] for _, d in batches])
+            prefix = shared_prefix_length(held.tokens, held.loss_mask & held.valid_mask)
+            check = make_reading_check(rollout.graphdef, held.tokens, held.loss_mask & held.valid_mask, described,
+                                       prefix)
+    if conv_steps:
+        phases.append(("conversation", conv_steps,
+                       demonstrations(rollout, params, states_for(conv_steps), warmup_cfg.seed,
                                       warmup_cfg.action_noise)))
 
     graphdef = rollout.graphdef
-    lr = optax.warmup_cosine_decay_schedule(0.0, warmup_cfg.lr, max(1, total // 20), max(total, 2),
-                                            end_value=0.1 * warmup_cfg.lr)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.0))
+    warm = max(1, total // 20)
+    # The learning rate is set on the host before every step: where phase 2's decay starts is only
+    # known once phase 1 has ended.
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0))
     opt_state = tx.init(params)
     rng = np.random.default_rng(warmup_cfg.seed)
     metrics = {}
@@ -313,15 +415,18 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         prefix = shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
         step_fn = make_bc_step(graphdef, tx, prefix)
         summary[f"warmup/{name}_shared_prefix_tokens"] = float(prefix)
+        decays = name == "conversation" or not conv_steps
+        lr_at = _phase_lr(warmup_cfg.lr, warm, done if decays else total, n_steps)
         order, cursor = rng.permutation(n), 0
-        for _ in range(n_steps):
+        for i in range(n_steps):
             if cursor + bs > n:
                 order, cursor = rng.permutation(n), 0
             idx = jnp.asarray(order[cursor: cursor + bs])
             cursor += bs
+            opt_state[1].hyperparams["learning_rate"] = jnp.asarray(lr_at(done), jnp.float32)
             params, opt_state, m = step_fn(params, opt_state, tokens[idx], loss_mask[idx], valid_mask[idx])
             done += 1
-            if done % warmup_cfg.log_every == 0 or done == total:
+            if done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
                 metrics = {k: float(v) for k, v in m.items()}
                 if log_fn is not None:
                     log_fn(done, {f"warmup/{k}": v for k, v in metrics.items()})
@@ -329,6 +434,19 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
                     bar.set_postfix(phase=name, loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_accuracy']:.2f}")
             if bar is not None:
                 bar.update(1)
+            if check is not None and name == "single_turn" and ((i + 1) % check_every == 0 or i + 1 == n_steps):
+                reading = check(params)
+                summary["warmup/reading_accuracy"] = reading
+                if log_fn is not None:
+                    log_fn(done, {"warmup/reading_accuracy": reading})
+                if bar is not None:
+                    bar.set_postfix(phase=name, reading=f"{reading:.2f}")
+                if reading >= target:
+                    break
+        summary[f"warmup/{name}_steps"] = float(i + 1)
+        if bar is not None and name == "single_turn":
+            bar.total = done + conv_steps  # the unused first-turn steps are not run
+            bar.refresh()
     if bar is not None:
         bar.close()
     last = phases[-1][0] if phases else None

@@ -55,7 +55,7 @@ def _bfs_len(holes, start, goal):
 def test_expert_conversations_through_the_rollout(setup):
     tok, graphdef, params, rollout, env, ep = setup
     keys = jax.random.split(jax.random.key(7), 4)
-    forced, planned = expert_replies(rollout, keys, np.random.default_rng(0))
+    forced, planned, _ = expert_replies(rollout, keys, np.random.default_rng(0))
     traj = rollout.run(params, keys, jax.random.key(8), forced)
     _, states = jax.vmap(env.reset, in_axes=(0, None))(keys, ep)
     for b in range(4):
@@ -169,7 +169,7 @@ def test_main_job_conversations_fit_every_solvable_start():
     tok = load_tiny_tokenizer()
     graphdef, params = nnx.split(Decoder(tiny_model_config(tok, TINY), rngs=nnx.Rngs(0)))
     rollout = make_rollout(graphdef, env, ep, tok, dataclasses.replace(spec.rollout, num_groups=4, group_size=1))
-    forced, planned = expert_replies(rollout, keys, np.random.default_rng(0))
+    forced, planned, _ = expert_replies(rollout, keys, np.random.default_rng(0))
     traj = rollout.run(params, keys, jax.random.key(8), forced)
     assert planned.all()
     assert not np.asarray(traj.truncated).any()
@@ -190,7 +190,7 @@ def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monke
     tok, graphdef, params, rollout, env, ep = setup
     one_turn = make_rollout(graphdef, env, ep, tok, dataclasses.replace(rollout.config, max_turns=1))
     keys = jax.random.split(jax.random.key(5), 4)
-    forced, _ = expert_replies(rollout, keys, np.random.default_rng(0))
+    forced, _, _ = expert_replies(rollout, keys, np.random.default_rng(0))
     full = rollout.run(params, keys, jax.random.key(8), forced)
     first = one_turn.run(params, keys, jax.random.key(8),
                          ForcedReplies(tokens=forced.tokens[:, :1], lengths=forced.lengths[:, :1]))
@@ -229,3 +229,80 @@ def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monke
     assert np.isfinite(summary["warmup/final_loss"])
     changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), params, new_params)
     assert all(jax.tree.leaves(changed))
+
+
+def test_described_tokens_cover_the_state_coordinates(setup):
+    """``described`` counts the reply tokens that restate the board: all four coordinates, not the decision."""
+    tok, graphdef, params, rollout, env, ep = setup
+    keys = jax.random.split(jax.random.key(5), 4)
+    forced, _, described = expert_replies(rollout, keys, np.random.default_rng(0))
+    _, states = jax.vmap(env.reset, in_axes=(0, None))(keys, ep)
+    for b in range(4):
+        ids = np.asarray(forced.tokens[b, 0, : int(described[b, 0])]).tolist()
+        text = tok.decode(ids)
+        (pr, pc), (gr, gc) = np.asarray(states.pos[b]), np.asarray(states.goal[b])
+        # Independent spelling of the state sentence, up to the goal's column digit.
+        assert text.startswith(f"The player is at ({pr}, {pc}) and the goal at ({gr}, {gc}"), text
+        assert "moving" not in text and ";" not in text
+
+
+def test_reading_check_matches_a_greedy_re_derivation(setup):
+    """Rows whose description tokens are the model's own greedy continuation count as read; a
+    row with one description token changed does not. The reference is the plain full forward pass."""
+    tok, graphdef, params, rollout, env, ep = setup
+    one_turn = warmup_lib.first_turn_rollout(rollout)
+    keys = jax.random.split(jax.random.key(9), 4)
+    forced, _, described = expert_replies(one_turn, keys, np.random.default_rng(0))
+    traj = one_turn.run(params, keys, jax.random.key(1), forced)
+    tokens = np.array(traj.tokens)
+    mask = np.asarray(traj.loss_mask & traj.valid_mask)
+    d = np.asarray(described[:, 0])
+    model = nnx.merge(graphdef, params)
+    L = tokens.shape[1]
+
+    def greedy(row, j):  # argmax prediction for position j from tokens[row, :j] (full pass, causal)
+        logits = model(jnp.asarray(tokens[row:row + 1]), jnp.arange(L)[None])[0]
+        return int(np.asarray(logits)[0, j - 1].argmax())
+
+    start = mask.argmax(1)
+    for row in (0, 2, 3):  # rows 0 and 2 become "read correctly"; row 3 all but its last token
+        for j in range(start[row], start[row] + d[row]):
+            tokens[row, j] = greedy(row, j)
+    last = start[3] + d[3] - 1
+    tokens[3, last] = (greedy(3, last) + 1) % len(tok)
+    check = warmup_lib.make_reading_check(graphdef, tokens, mask, d, chunk=3)  # 4 rows: a padded chunk
+    assert check(params) == 0.5
+    prefix = warmup_lib.shared_prefix_length(tokens, mask)
+    assert prefix > 0
+    assert warmup_lib.make_reading_check(graphdef, tokens, mask, d, prefix)(params) == 0.5
+
+
+def test_first_turn_phase_ends_when_the_board_is_read(setup, monkeypatch):
+    """With ``reading_target`` the first-turn phase stops at the first check that reaches it; the
+    learning rate warms up, stays constant through phase 1 and decays over phase 2 (hand formula)."""
+    tok, graphdef, params, rollout, env, ep = setup
+    readings = iter([0.3, 0.95, 1.0])
+    monkeypatch.setattr(warmup_lib, "make_reading_check", lambda *a, **k: (lambda p: next(readings)))
+    lrs, widths = [], []
+    real_step = warmup_lib.make_bc_step
+
+    def spy(graphdef_, tx, prefix_len=0):
+        step = real_step(graphdef_, tx, prefix_len)
+
+        def wrapped(p, o, tokens, loss_mask, valid_mask):
+            lrs.append(float(o[1].hyperparams["learning_rate"]))
+            widths.append(tokens.shape[1])
+            return step(p, o, tokens, loss_mask, valid_mask)
+        return wrapped
+
+    monkeypatch.setattr(warmup_lib, "make_bc_step", spy)
+    cfg = ConfigDict(dict(steps=4, single_turn_steps=36, batch_size=2, lr=1e-2, num_states=4, action_noise=0.0,
+                          seed=1, log_every=1, reading_target=0.9, check_every=2, heldout_states=4))
+    _, summary = warmup_lib.run_warmup(rollout, params, cfg, progress=False)
+    # Checks after steps 2 (0.3) and 4 (0.95 >= 0.9): phase 1 ran 4 of its 36 steps, then 4 conversation steps.
+    assert summary["warmup/single_turn_steps"] == 4.0 and summary["warmup/conversation_steps"] == 4.0
+    assert summary["warmup/reading_accuracy"] == 0.95
+    assert len(widths) == 8 and widths[3] < widths[4]
+    warm = (36 + 4) // 20  # 2 warm-up steps
+    expected = [1e-2 * 1 / warm, 1e-2, 1e-2, 1e-2] + [1e-2 * (0.1 + 0.45 * (1 + np.cos(np.pi * k / 4))) for k in range(4)]
+    np.testing.assert_allclose(lrs, expected, rtol=1e-6)
