@@ -22,6 +22,7 @@ fraction of expert turns by a random action (imperfect demonstrations).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -104,6 +105,13 @@ def _expert_plan(env_name: str, state) -> tuple[list[int], str]:
     raise ValueError(f"behaviour cloning has no expert for env {env_name!r}; supported: frozen_lake, sokoban")
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled_env(env):
+    """(batched reset, single-state step), jitted once per env: demonstrations call them for every
+    batch, and un-jitted JAX runs them op by op."""
+    return jax.jit(jax.vmap(env.reset, in_axes=(0, None))), jax.jit(env.step_env)
+
+
 def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generator,
                    action_noise: float = 0.0) -> tuple[ForcedReplies, np.ndarray, np.ndarray]:
     """Scripted expert replies for the episodes started from ``env_keys``.
@@ -122,14 +130,14 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
     names = tuple(env.action_names)
     env_name = getattr(env, "name", "").lower()
     B, T, N = env_keys.shape[0], c.max_turns, c.max_new_tokens
-    _, states = jax.vmap(env.reset, in_axes=(0, None))(env_keys, ep)
-    step = jax.jit(env.step_env)
+    reset, step = _compiled_env(env)
+    states = jax.tree.map(np.asarray, reset(env_keys, ep)[1])
     tokens = np.full((B, T, N), rollout.codec.pad_id, np.int32)
     lengths = np.zeros((B, T), np.int32)
     described = np.zeros((B, T), np.int32)
     success = np.zeros((B,), bool)
     for b in range(B):
-        state = jax.tree.map(lambda x: x[b], states)
+        state = jax.tree.map(lambda x: x[b], states)  # numpy: per-row slicing on the host
         key = env_keys[b]
         n_actions, done = 0, False
         for t in range(T):
