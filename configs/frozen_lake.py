@@ -21,7 +21,7 @@ do that within the budget:
     ~3x cheaper per step; FrozenLake is Markov, so a start state is also a mid-episode state), then
     on whole conversations, where the model must read the latest of several boards. Learning to
     read both objects' coordinates sits on a plateau at chance whose length depends on the
-    initialisation (~600 to over 1,500 steps), so the first-turn phase is sized by what it is for:
+    initialisation (~600 to over 2,200 steps), so the first-turn phase is sized by what it is for:
     it ends once the model names both cells exactly on 95% of 256 held-out boards
     (``warmup.reading_target``, checked every 200 steps, at most 3,000 steps).
 

@@ -348,7 +348,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
        cheaper; since FrozenLake and Sokoban are Markov, every start state is also a mid-episode
        state, and this is where the model learns to read the board. How many steps that takes
        varies a lot with the initialisation (a plateau at chance, then a quick rise, anywhere from
-       ~600 to over 1,500 steps for the main job's model), so with ``reading_target > 0`` the phase
+       ~600 to over 2,200 steps for the main job's model), so with ``reading_target > 0`` the phase
        ends as soon as ``make_reading_check`` on ``heldout_states`` unseen start states reaches it
        (checked every ``check_every`` steps): a model that reads early gets the rest of the time
        for conversations and RL, one that reads late still gets there.

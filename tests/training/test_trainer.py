@@ -30,7 +30,7 @@ def small_config(workdir, total_steps, **over):
                           max_seq_len=400))
     c.starpo.mini_batch_size = 4
     c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
-    c.warmup.update(dict(single_turn_steps=1, steps=2, batch_size=4, num_states=4))
+    c.warmup.update(dict(single_turn_steps=1, steps=2, batch_size=4, num_states=4, heldout_states=8))
     c.eval.num_episodes = 2
     c.trainer.update(dict(total_steps=total_steps, eval_every=2, save_every=1, transcript_every=1,
                           progress_bar=False))
@@ -68,7 +68,8 @@ def test_smoke_metrics_checkpoints_transcripts(straight_run):
                 "collapse_first_turn_sample/mi_estimate", "collapse_first_turn_sample/conditional_entropy_est",
                 "collapse_first_turn_sample/reasoning_entropy_est", "collapse_first_turn_sample/retrieval_accuracy",
                 "collapse_first_turn_sample/regime", "early_stop/reward_variance_collapse", "early_stop/mi_collapse",
-                "timing_s/rollout", "timing_s/update", "timing_s/tokens_per_s", "val/success", "warmup/loss"):
+                "timing_s/rollout", "timing_s/update", "timing_s/tokens_per_s", "val/success", "warmup/loss",
+                "warmup/reading_accuracy"):
         assert key in events, key
     # Losses and gradients are finite at every step.
     for key in ("actor/pg_loss", "actor/grad_norm", "warmup/loss", "train/return"):
