@@ -124,7 +124,7 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
       ``(ForcedReplies(tokens [B, T, N], lengths [B, T]), planned_success bool [B],
       described int32 [B, T])``: ``described`` counts the reply's leading tokens that only restate
       the observation (``"The player is at (2, 1) and the goal at (0, 3)"``, the reasoning before
-      its first ``;``) — what ``reading_accuracy`` checks.
+      its first ``;``) — what ``make_reading_check`` checks.
     """
     env, ep, c = rollout.env, rollout.env_params, rollout.config
     names = tuple(env.action_names)
