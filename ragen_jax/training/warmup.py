@@ -388,11 +388,11 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
             # Held-out start states (another seed) with noise-free expert replies.
             batches = list(_demonstration_batches(one_turn, params, int(warmup_cfg.get("heldout_states", 256)),
                                                   warmup_cfg.seed + 2))
-            held = jax.tree.map(lambda *xs: np.concatenate(xs), *[t for t, _ in batches])
+            (held_tokens, held_loss, held_valid), _, _ = bc_data([t for t, _ in batches])
+            held_mask = np.asarray(held_loss & held_valid)
             described = np.concatenate([d[:, 0] for _, d in batches])
-            prefix = shared_prefix_length(held.tokens, held.loss_mask & held.valid_mask)
-            check = make_reading_check(rollout.graphdef, held.tokens, held.loss_mask & held.valid_mask, described,
-                                       prefix)
+            check = make_reading_check(rollout.graphdef, held_tokens, held_mask, described,
+                                       shared_prefix_length(np.asarray(held_tokens), held_mask))
     if conv_steps:
         phases.append(("conversation", conv_steps,
                        demonstrations(rollout, params, states_for(conv_steps), warmup_cfg.seed,
