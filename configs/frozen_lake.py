@@ -48,8 +48,12 @@ def get_config():
     c.model.tiny.head_dim = 8
     c.model.tiny.rope_theta = 100.0  # short-range position resolution (see the docstring)
 
-    c.rollout.num_groups = 4
-    c.rollout.group_size = 8
+    # 8 start states × 4 samples rather than 4 × 8 (same 32 episodes a step): from the same warm-up,
+    # validation after 50 / 100 StarPO steps was 0.762 / 0.770 and 0.777 / 0.789 (two RL seeds)
+    # against 0.707 / 0.711 with 4 × 8 — more states per update beat a finer in-group baseline here.
+    # 16 × 2 reached 0.766 at 50 steps but fell back to 0.695 (most pairs tie and are filtered).
+    c.rollout.num_groups = 8
+    c.rollout.group_size = 4
     c.rollout.max_turns = 3  # 3 turns × 2 actions: every 4×4 map's shortest path fits
     c.rollout.max_actions_per_traj = 6
     c.rollout.max_new_tokens = 40
