@@ -20,8 +20,9 @@ budget (``max_obs_tokens``; measured on random states when unset); otherwise the
 that turn boundary and ``Trajectory.truncated`` marks it (never cut mid-token).
 
 Context modes. ``full`` (default): each turn sees the whole conversation. ``limited``: each turn
-sees the system prompt and the last ``context_window`` turns (RAGEN's ``limited_multi_turn``). On
-device the KV cache is rebuilt at every turn boundary once the window slides: the preamble stays
+sees the system prompt and the last ``context_window`` turns (RAGEN's ``limited_multi_turn``; with
+a window of 1 every turn reads like a first turn). The KV cache then only holds that much
+(``Rollout.cache_len``), and it is rebuilt at every turn boundary once the window slides: the preamble stays
 in slots ``0..P0``, the last ``context_window - 1`` turns (gathered from the transcript) are
 re-prefilled right after it, then the new user block is appended. The transcript still records the whole episode;
 ``Trajectory.context_start`` gives, per turn, the index of the first transcript token that turn
@@ -81,7 +82,7 @@ class RolloutConfig:
     top_p: float = 1.0
     stop_at_answer: bool = True  # also stop a reply at "</answer>"
     context_mode: str = "full"
-    context_window: int = 2  # turns visible in "limited" mode (the current one included)
+    context_window: int = 2  # turns visible in "limited" mode (the current one included; 1 = only it)
     observation_format: str | None = None  # None: the env's configured format
     instruction: str | None = None  # None: the built-in instruction of the env
     reward_decimals: int = 1
@@ -96,9 +97,6 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be a positive int, got {v!r}")
         if self.context_mode not in CONTEXT_MODES:
             raise ValueError(f"RolloutConfig.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
-        if self.context_mode == "limited" and self.context_window < 2:
-            raise ValueError("RolloutConfig.context_window must be >= 2 in limited mode (the current turn and "
-                             "at least the previous one); use context_mode='full' for unlimited context")
         if self.format_penalty > 0:
             raise ValueError(f"RolloutConfig.format_penalty must be <= 0, got {self.format_penalty}")
 
@@ -230,7 +228,21 @@ class Rollout:
                 f"prompt ({preamble} tokens), a user block (up to {self.codec.chunk_len}), "
                 f"max_new_tokens={config.max_new_tokens} and the close need {need}; raise max_seq_len"
             )
+        # Limited mode: the cache (and a trainer's per-turn rows) holds at most the preamble and the
+        # window's turns, each a user block (with the previous close) and a reply.
+        self.cache_len = config.max_seq_len
+        if config.context_mode == "limited":
+            self.cache_len = min(config.max_seq_len,
+                                 preamble + config.context_window * (self.codec.chunk_len + config.max_new_tokens))
         self._run = jax.jit(self._rollout)
+
+    @property
+    def per_turn_rows(self) -> tuple[int, int] | None:
+        """``(preamble_len, row_len)`` of the per-turn rows (``rollout.turn_rows``) that training on
+        a limited-context rollout needs; None in full context, where the transcript is the context."""
+        if self.config.context_mode != "limited":
+            return None
+        return len(self.codec.preamble_ids), self.cache_len
 
     def _measure_obs_tokens(self, tokenizer, state_shape) -> int:
         """Observation token budget: twice the longest render seen on random states, plus slack.
@@ -307,7 +319,7 @@ class Rollout:
         rows = jnp.arange(B)
 
         _, state = self._reset_batch(env_keys)
-        cache = init_cache(cfg, B, L)
+        cache = init_cache(cfg, B, self.cache_len)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
         _, cache = prefill(model, cache, jnp.broadcast_to(pre, (B, P0)), jnp.zeros((B,), jnp.int32),
@@ -349,37 +361,44 @@ class Rollout:
             done = carry["done"] | (live & ~fits)
             clen = jnp.where(active, clen, 0)
 
+            # Where this turn's user content starts (after the previous assistant's close).
+            close_len = jnp.sum((src == 0) & (jnp.arange(cd.chunk_len)[None] < clen[:, None]), axis=1)
+            turn_starts = carry["turn_starts"].at[:, t].set(
+                jnp.where(active, pos + close_len, carry["turn_starts"][:, t]))
+
             cache = carry["cache"]
+            cchunk, cclen = chunk, clen
             if c.context_mode == "limited":
-                cache = self._rebuild_window(model, cache, carry["buf"], carry["turn_starts"], pos, t, active, P0)
+                cache = self._rebuild_window(model, cache, carry["buf"], turn_starts, pos, t, active, P0)
+                if c.context_window == 1:
+                    # The previous assistant's close belongs to a turn outside the window.
+                    cchunk = jnp.take_along_axis(chunk, jnp.clip(close_len[:, None] + jnp.arange(cd.chunk_len)[None],
+                                                                 0, cd.chunk_len - 1), 1)
+                    cclen = clen - close_len
             elif c.context_mode == "reprefill":
                 fresh = init_cache(cfg, B, L, cache.k.dtype)
                 cache = prefill(model, fresh, carry["buf"], jnp.zeros((B,), jnp.int32), jnp.where(active, pos, 0))[1]
             # In limited mode the cache holds a shorter context: its own write position.
-            cpos = self._cache_pos(carry["turn_starts"], pos, t, P0) if c.context_mode == "limited" else pos
-            last_logits, cache = prefill(model, cache, chunk, cpos, clen)
+            cpos = self._cache_pos(turn_starts, pos, t, P0) if c.context_mode == "limited" else pos
+            last_logits, cache = prefill(model, cache, cchunk, cpos, cclen)
 
             buf = write(carry["buf"], pos, chunk, clen)
             # The close of the previous assistant message (piece 0) belongs to the previous turn.
             tid = jnp.where(src == 0, t - 1, t)
             turn_ids = write(carry["turn_ids"], pos, tid, clen)
-            # Where this turn's user content starts (after the previous assistant's close).
-            close_len = jnp.sum((src == 0) & (jnp.arange(cd.chunk_len)[None] < clen[:, None]), axis=1)
-            turn_starts = carry["turn_starts"].at[:, t].set(
-                jnp.where(active, pos + close_len, carry["turn_starts"][:, t]))
             prompt_end = pos + clen
             gen_start = prompt_end
 
             # ---- reply -------------------------------------------------------------------
             if forced is None:
-                out = generate(model, cache, last_logits, cpos + clen, active, carry["keys"], sampling,
+                out = generate(model, cache, last_logits, cpos + cclen, active, carry["keys"], sampling,
                                self.stop_ids, self.stop_sequences, N, pad_id=cd.pad_id)
                 reply, rlen, rlogp, cache, keys = out.tokens, out.lengths, out.logprobs, out.cache, out.keys
             else:
                 ftok = jnp.zeros((B, N), jnp.int32).at[:, : forced.tokens.shape[2]].set(forced.tokens[:, t])
                 rlen = jnp.where(active, forced.lengths[:, t], 0)
                 ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
-                _, cache = prefill(model, cache, ftok, cpos + clen, rlen)
+                _, cache = prefill(model, cache, ftok, cpos + cclen, rlen)
                 reply, rlogp, keys = ftok, jnp.zeros((B, N), jnp.float32), carry["keys"]
             buf = write(buf, gen_start, reply, rlen)
             loss = write(carry["loss"], gen_start, jnp.ones((B, N), bool), rlen)
@@ -441,7 +460,7 @@ class Rollout:
                 last=last_index, prompt_end=jnp.where(active, prompt_end, 0),
                 r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
                 valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
-                context_start=self._context_start(carry["turn_starts"], t, P0, active),
+                context_start=self._context_start(turn_starts, t, P0, active),
             )
             return new, per_turn
 
@@ -529,19 +548,23 @@ class Rollout:
         """Cache write position in limited mode: preamble + the kept turns."""
         first = self._window_first_turn(t)
         start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
-        return jnp.where(first > 0, P0 + pos - start, pos)
+        # With a one-turn window ``start`` lies after the previous close, which is not prefilled.
+        return jnp.where(first > 0, P0 + jnp.maximum(pos - start, 0), pos)
 
     def _rebuild_window(self, model, cache, buf, turn_starts, pos, t, active, P0):
         """Re-prefill the last ``context_window - 1`` turns right after the preamble (slots ``P0..``).
 
         Before the window first slides (``t < context_window``) the cache already holds exactly
-        that context and is kept as is.
+        that context and is kept as is. A one-turn window keeps nothing but the preamble: the new
+        user block is written from slot ``P0`` and every slot past it is masked by position.
         """
+        if self.config.context_window == 1:
+            return cache
         first = self._window_first_turn(t)
         B, L = buf.shape
         start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (B, 1)), 1)[:, 0]
         kept = jnp.where(active, pos - start, 0)
-        j = jnp.arange(L - P0)
+        j = jnp.arange(self.cache_len - P0)
         hist = jnp.take_along_axis(buf, jnp.clip(start[:, None] + j[None], 0, L - 1), 1)
 
         def rebuild(cache):

@@ -165,16 +165,24 @@ def sample_first_turn(key: jax.Array, traj: Trajectory, num_samples: int, num_gr
     )
 
 
-def sample_trajectory_uniform(key: jax.Array, traj: Trajectory, num_samples: int) -> PairSample:
+def sample_trajectory_uniform(key: jax.Array, traj: Trajectory, num_samples: int,
+                              episode_ids: Optional[jax.Array] = None) -> PairSample:
     """Trajectory-uniform pairs: ``num_samples`` slots, the first ``min(num_samples, #valid turns)`` real.
 
     Each draw picks a trajectory uniformly among those with at least one valid turn, then one of its
     valid turns uniformly (with replacement, §7.2). Every draw is its own column.
+
+    ``episode_ids`` int32 [rows]: the rows are turns of those episodes (``turn_rows``, one turn per
+    row); a row is then drawn with probability 1 / (#episodes with a valid turn × #valid turns of
+    its episode) — the same distribution over turns as drawing the episode, then its turn.
     """
     valid = valid_reasoning(traj)  # [B, T]
     has_any = jnp.any(valid, axis=1)
     key_row, key_turn = jax.random.split(key)
     row_logits = jnp.where(has_any, 0.0, -jnp.inf)
+    if episode_ids is not None:
+        per_episode = jnp.zeros_like(has_any, jnp.float32).at[episode_ids].add(has_any.astype(jnp.float32))
+        row_logits = row_logits - jnp.log(jnp.maximum(per_episode[episode_ids], 1.0))
     # With no valid turn at all every logit is -inf; sample from a uniform instead (all slots masked).
     row_logits = jnp.where(jnp.any(has_any), row_logits, 0.0)
     rows = jax.random.categorical(key_row, row_logits, shape=(num_samples,))
@@ -496,11 +504,16 @@ def collapse_metrics(
     *,
     num_groups: int,
     cross_fn: Optional[Callable] = None,
+    turn_rows=None,
 ) -> tuple[dict[str, jax.Array], CollapseState]:
     """All collapse diagnostics for one (pre-filter) batch; ``cfg`` is a ``CollapseConfig``.
 
     ``cross_fn`` (optional) replaces ``cross_logprob_matrix(logprob_fn, ...)`` with a scorer of the
     same contract, e.g. ``logprobs.make_prefix_cached_cross_scorer(model)``.
+
+    ``turn_rows`` (a limited-context rollout's ``rollout.turn_rows.TurnRows``): X of a later turn is
+    then the window that turn saw, so the trajectory sample scores on the per-turn rows. First
+    turns saw the transcript's own prefix in every mode and are scored on ``traj``.
 
     Metric keys follow the original: ``collapse_first_turn_sample/<name>`` and
     ``collapse_trajectory_sample/<name>`` (``batch_thinking_stats`` gives the ``collapse/`` counters).
@@ -513,8 +526,9 @@ def collapse_metrics(
         metrics.update({f"collapse_first_turn_sample/{k}": v for k, v in m.items()})
         state = state.replace(first_turn=first)
     if cfg.trajectory_enabled:
-        sample = sample_trajectory_uniform(key_traj, traj, cfg.num_samples)
-        m, traj_state = _diagnose_sample(logprob_fn, traj, sample, state.trajectory, cfg, cross_fn)
+        view, episode_ids = (traj, None) if turn_rows is None else (turn_rows.view, turn_rows.episode)
+        sample = sample_trajectory_uniform(key_traj, view, cfg.num_samples, episode_ids)
+        m, traj_state = _diagnose_sample(logprob_fn, view, sample, state.trajectory, cfg, cross_fn)
         metrics.update({f"collapse_trajectory_sample/{k}": v for k, v in m.items()})
         state = state.replace(trajectory=traj_state)
     return metrics, state
@@ -530,6 +544,7 @@ def maybe_collapse_metrics(
     *,
     num_groups: int,
     cross_fn: Optional[Callable] = None,
+    turn_rows=None,
 ) -> tuple[dict[str, jax.Array], CollapseState]:
     """``collapse_metrics`` under ``lax.cond`` on the step counter (inside the compiled update).
 
@@ -543,7 +558,8 @@ def maybe_collapse_metrics(
 
     def compute(operand):
         st, k = operand
-        return collapse_metrics(logprob_fn, traj, st, k, cfg, num_groups=num_groups, cross_fn=cross_fn)
+        return collapse_metrics(logprob_fn, traj, st, k, cfg, num_groups=num_groups, cross_fn=cross_fn,
+                                turn_rows=turn_rows)
 
     def skip(operand):
         st, k = operand

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from ragen_jax.rollout import turn_rows as turn_rows_lib
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import collapse as collapse_lib
@@ -298,6 +299,7 @@ def make_update_step(
     jit: bool = True,
     donate: bool = True,
     shared_prefix_len: int = 0,
+    per_turn_rows: Optional[tuple[int, int]] = None,
 ):
     """Builds ``update(train_state, trajectory, key=None) -> (train_state, metrics)``.
 
@@ -310,6 +312,12 @@ def make_update_step(
       shared_prefix_len: P > 0 when every row starts with the same P tokens (the rollout's system
         prompt, ``len(rollout.codec.preamble_ids)``): the policy's log-probs are then computed with
         that prompt run once per batch instead of once per row (same values, ~P/L less work).
+      per_turn_rows: ``(preamble_len, row_len)`` for a rollout in ``context_mode="limited"``
+        (``len(rollout.codec.preamble_ids)``, ``rollout.cache_len``): every log-prob (old, reference,
+        current) and critic value is then computed on one row per (episode, turn) holding exactly
+        the context that turn was sampled in (``rollout.turn_rows``), not on the whole transcript.
+        Scores, the SNR filter and advantages stay per episode; a mini-batch holds all the turn
+        rows of its episodes, so the optimizer-step count is the same as in full mode.
     The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
     drives pair sampling and shuffling; without it the state's key is split and advanced.
     """
@@ -422,7 +430,15 @@ def make_update_step(
                 out["values"] = critic_values(state.critic_params, critic_rest, rows["tokens"], hidden)
             return out
 
-        old = jax.lax.stop_gradient(_rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size))
+        if per_turn_rows is None:
+            rows = None
+            old = _rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size)
+        else:
+            # Scored on the contexts the replies were sampled in, then written back to the transcript.
+            rows = turn_rows_lib.turn_rows(traj, *per_turn_rows)
+            old = _rows_in_chunks(score_rows, {"tokens": rows.view.tokens}, micro_size * traj.max_turns)
+            old = {k: rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
+        old = jax.lax.stop_gradient(old)
         metrics = {}
         sampled = loss_mask & traj.valid_mask
         diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
@@ -442,7 +458,7 @@ def make_update_step(
                                                        logprob_chunk_size=chunk)
         c_metrics, collapse_state = collapse_lib.maybe_collapse_metrics(
             policy_logprob_fn, traj, state.collapse, key_collapse, state.step, collapse_cfg,
-            num_groups=num_groups, cross_fn=cross_fn)
+            num_groups=num_groups, cross_fn=cross_fn, turn_rows=rows)
         metrics.update(c_metrics)
 
         # 3. SNR filter over groups (on the raw episode scores: normalised scores would have equal spread).
@@ -506,13 +522,24 @@ def make_update_step(
             data["old_values"] = values
             data["returns"] = returns
 
+        rows_per_episode = 1
+        if rows is not None:
+            # Every per-token array moves to the turn rows; a row trains only its own turn's tokens.
+            rows_per_episode = traj.max_turns
+            row_w_rows = row_w[rows.episode]
+            data = {k: (rows.gather(v) if v.ndim == 2 else row_w_rows) for k, v in data.items()}
+            data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
+
         def epoch(carry, epoch_key):
             # Kept rows first (in order, or shuffled among themselves), so dropped rows fill the last
             # mini-batches, which then have no token and are skipped — the optimizer-step count follows
             # the kept batch as in the original, without any shape change.
             tie = jax.random.uniform(epoch_key, (batch,)) if cfg.shuffle else jnp.arange(batch) / batch
             order = jnp.argsort(jnp.where(kept, 0.0, 2.0) + tie)
-            batches = jax.tree.map(lambda x: x[order].reshape((num_mini, mini_size) + x.shape[1:]), data)
+            if rows_per_episode > 1:  # episode-major turn rows: an episode's rows stay together
+                order = (order[:, None] * rows_per_episode + jnp.arange(rows_per_episode)[None]).reshape(-1)
+            batches = jax.tree.map(
+                lambda x: x[order].reshape((num_mini, mini_size * rows_per_episode) + x.shape[1:]), data)
             step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=empty)
             return jax.lax.scan(step, carry, batches)
 

@@ -155,11 +155,6 @@ def resolve(config: ConfigDict) -> RunSpec:
             _fail(f"{key} gives mini-batches of {mini} trajectories, which must divide the rollout batch "
                   f"rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} = "
                   f"{batch}; allowed mini_batch_size values: {divisors}")
-    if config.mode == "train" and rollout.context_mode != "full":
-        # The update step recomputes log-probs over each episode's whole transcript; in the windowed
-        # modes the policy saw less than that, so the importance ratios would be wrong.
-        _fail(f"rollout.context_mode={rollout.context_mode!r} is supported for rollouts and evaluation "
-              "only; training needs rollout.context_mode='full' (or use --config.mode=eval)")
     t = config.trainer
     for key in ("total_steps", "save_every", "keep_checkpoints", "log_every"):
         if not isinstance(t[key], int) or t[key] < (0 if key == "total_steps" else 1):

@@ -122,9 +122,11 @@ def setup(spec: RunSpec) -> Setup:
     train_state = _own_buffers(train_state)
     rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout)
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
+    # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
     update = make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
                               group_size=spec.rollout.group_size,
-                              shared_prefix_len=len(rollout.codec.preamble_ids))
+                              shared_prefix_len=len(rollout.codec.preamble_ids),
+                              per_turn_rows=rollout.per_turn_rows)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update)
 
 

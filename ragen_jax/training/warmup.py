@@ -35,6 +35,7 @@ from flax import nnx
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
+from ragen_jax.rollout.turn_rows import turn_rows
 
 # --------------------------------------------------------------------------------------------
 # Expert reasoning text (host)
@@ -312,14 +313,23 @@ def first_turn_rollout(rollout: Rollout) -> Rollout:
                         dataclasses.replace(rollout.config, max_turns=1))
 
 
-def bc_data(demos: list[Trajectory]):
+def bc_data(demos: list[Trajectory], per_turn_rows: tuple[int, int] | None = None):
     """Concatenate demonstration batches; trim the right padding every row shares (the forward
-    pass only needs the longest row). -> ((tokens, loss_mask, valid_mask) [N, W], expert success, N)."""
+    pass only needs the longest row). -> ((tokens, loss_mask, valid_mask) [N, W], expert success, N).
+
+    ``per_turn_rows`` ``(preamble_len, row_len)``: the demonstrations come from a limited-context
+    rollout; each turn then becomes its own row, holding the window the policy will see
+    (``rollout.turn_rows``), and rows of turns that never happened are dropped."""
     data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
+    success = float(jnp.mean(data.success))
+    if per_turn_rows is not None:
+        view = turn_rows(data, *per_turn_rows).view
+        keep = np.flatnonzero(np.asarray(jnp.any(view.loss_mask, axis=1)))
+        data = jax.tree.map(lambda x: x[keep], view)
     width = int(jnp.max(data.lengths)) + 1
     width = min(data.tokens.shape[1], -(-width // 8) * 8)
     arrays = tuple(x[:, :width] for x in (data.tokens, data.loss_mask, data.valid_mask))
-    return arrays, float(jnp.mean(data.success)), data.tokens.shape[0]
+    return arrays, success, data.tokens.shape[0]
 
 
 def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Callable[[int], float]:
@@ -352,7 +362,8 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
        ends as soon as ``make_reading_check`` on ``heldout_states`` unseen start states reaches it
        (checked every ``check_every`` steps): a model that reads early gets the rest of the time
        for conversations and RL, one that reads late still gets there.
-    2. ``steps`` on whole multi-turn expert conversations (the context RL rollouts produce).
+    2. ``steps`` on whole multi-turn expert conversations (the context RL rollouts produce; in
+       limited context mode one row per turn, holding that turn's window).
 
     Learning rate: linear warm-up over the first 5% of ``single_turn_steps + steps``, constant
     through phase 1 (its length is not known in advance), cosine decay to 10% over phase 2 (over
@@ -415,7 +426,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
         bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
     for name, n_steps, demos in phases:
-        (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos)
+        (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos, rollout.per_turn_rows)
         summary[f"warmup/{name}_demonstrations"] = float(n)
         summary[f"warmup/{name}_expert_success"] = expert_success
         bs = min(warmup_cfg.batch_size, n)

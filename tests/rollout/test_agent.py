@@ -231,37 +231,59 @@ def test_batch_64_by_5_turns_on_cpu():
 
 
 @pytest.mark.slow
-def test_limited_window_logprobs_equal_forward_over_window():
+@pytest.mark.parametrize("window", [1, 2])
+def test_limited_window_logprobs_equal_forward_over_window(window):
     """``limited`` mode: turn t's sampled log-probs equal one forward over preamble + the last
-    ``context_window`` turns (the context ``context_start`` describes), re-positioned from 0."""
+    ``context_window`` turns (the context ``context_start`` describes), re-positioned from 0; the
+    per-turn rows (``turn_rows``) are exactly those contexts."""
+    from ragen_jax.rollout.turn_rows import turn_rows
+
     tok = make_tokenizer("qwen")
     env = environments.make("frozen_lake")
     params = env.default_params(success_rate=1.0)
     cfg = RolloutConfig(num_groups=2, group_size=1, max_turns=3, max_new_tokens=12, max_seq_len=768,
-                        max_obs_tokens=64, context_mode="limited", context_window=2)
+                        max_obs_tokens=64, context_mode="limited", context_window=window)
     graphdef, weights = tiny_model(tok, seed=5)
     ro = make_rollout(graphdef, env, params, tok, cfg)
+    assert ro.cache_len < cfg.max_seq_len
     traj = ro(weights, jax.random.key(4))
     p0 = len(ro.codec.preamble_ids)
+    rows = turn_rows(traj, p0, ro.cache_len)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
     model = nnx.merge(graphdef, weights)
     checked = 0
     for b in range(cfg.batch_size):
         for t in range(cfg.max_turns):
+            r = b * cfg.max_turns + t
             if not traj.turn_mask[b, t]:
+                assert not bool(jnp.any(rows.view.loss_mask[r]))
                 continue
             cs = int(traj.context_start[b, t])
             end = int(traj.turn_last_token[b, t]) + 1
             ctx = np.concatenate([np.asarray(traj.tokens[b, :p0]), np.asarray(traj.tokens[b, cs:end])])
-            if t >= 2:
-                assert cs > int(traj.prompt_end[b, 0])  # turn 0 has left the window
+            if t >= window:
+                assert cs > int(traj.prompt_end[b, t - window])  # turn t - window has left the window
+            # The context opens with the preamble and then a user message: one message per turn kept.
+            opened = int(np.sum(ctx[p0:] == im_start))
+            assert opened == 2 * min(t + 1, window) - 1
+            row_len = int(jnp.sum(rows.view.valid_mask[r]))
+            assert row_len == len(ctx) <= ro.cache_len
+            np.testing.assert_array_equal(np.asarray(rows.view.tokens[r, :row_len]), ctx)
             logits, _ = model(jnp.asarray(ctx)[None], jnp.arange(len(ctx))[None])
             logp = np.asarray(jax.nn.log_softmax(logits[0, :-1], -1))
             sampled = np.nonzero(np.asarray(traj.loss_mask[b]) & (np.asarray(traj.turn_ids[b]) == t))[0]
+            np.testing.assert_array_equal(np.nonzero(np.asarray(rows.view.loss_mask[r]))[0], sampled - cs + p0)
             for i in sampled:
                 j = i - cs + p0  # index of transcript token i inside ctx
                 np.testing.assert_allclose(logp[j - 1, ctx[j]], float(traj.sampler_logprobs[b, i]), atol=1e-4)
                 checked += 1
+            # Reasoning spans and the prompt end move into row coordinates with the tokens.
+            for name in ("prompt_end", "reasoning_start", "reasoning_end"):
+                assert int(getattr(rows.view, name)[r, 0]) == int(getattr(traj, name)[b, t]) - cs + p0
     assert checked > 0
+    # Own tokens go back to where they came from.
+    back = rows.scatter(rows.gather(traj.sampler_logprobs), traj.sampler_logprobs)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(jnp.where(traj.loss_mask, traj.sampler_logprobs, 0)))
 
 
 def test_rollout_metrics_against_numpy():

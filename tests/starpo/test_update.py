@@ -415,3 +415,76 @@ def test_shared_value_head_loss_does_not_reach_the_policy_trunk():
     assert float(loss) > 1.0  # the value loss is there ...
     assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_policy)) == 0.0  # ... not in the trunk
     assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_head)) > 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Limited context: one row per (episode, turn), scored on the window the reply was sampled in
+
+
+def two_turn_traj(seed, context_window=None, sampler_logprobs=None):
+    """Two turns per row (group-specific observations, random reasoning); reward on the last turn."""
+    rng = np.random.default_rng(seed)
+    convs = []
+    for row in range(BATCH):
+        pre, obs = prompt_of(row // GROUP_SIZE)
+        turns = [Turn(obs=obs, reasoning=rng.integers(4, VOCAB, rng.integers(1, 4)).tolist()),
+                 Turn(obs=[6, 4 + rng.integers(0, 3)], reasoning=rng.integers(4, VOCAB, rng.integers(1, 4)).tolist(),
+                      reward=float(rng.normal()))]
+        convs.append(Conversation(preamble=pre, turns=turns))
+    return build_trajectory(convs, [b // GROUP_SIZE for b in range(BATCH)], seq_len=24, max_turns=2,
+                            sampler_logprobs=sampler_logprobs, context_window=context_window)
+
+
+def _window_logprobs(model, traj, preamble_len):
+    """NumPy-built contexts: preamble + tokens[context_start : turn end], one forward each; the
+    log-prob of every sampled token under the context of its own turn, in transcript layout."""
+    tokens, turn_ids = np.asarray(traj.tokens), np.asarray(traj.turn_ids)
+    out = np.zeros(tokens.shape, np.float32)
+    for b in range(tokens.shape[0]):
+        for t in range(traj.max_turns):
+            cs, end = int(traj.context_start[b, t]), int(traj.turn_last_token[b, t]) + 1
+            ctx = np.concatenate([tokens[b, :preamble_len], tokens[b, cs:end]])
+            logits, _ = model(jnp.asarray(ctx)[None], jnp.arange(len(ctx))[None])
+            lp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+            for i in np.nonzero(np.asarray(traj.loss_mask[b]) & (turn_ids[b] == t))[0]:
+                j = i - cs + preamble_len
+                out[b, i] = lp[j - 1, ctx[j]]
+    return out
+
+
+def test_limited_context_update_scores_each_turn_on_its_window():
+    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
+    graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+    update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(num_samples=8, micro_batch_size=32),
+                                group_size=GROUP_SIZE, donate=False, shared_prefix_len=2, per_turn_rows=(2, 16))
+    traj = two_turn_traj(70, context_window=1)
+    assert int(traj.context_start[0, 1]) > int(traj.turn_last_token[0, 0])  # turn 0 left the window
+    model = nnx.merge(graphdefs.policy, state.params, state.rest[0])
+    windowed = _window_logprobs(model, traj, 2)
+    _, m = update(state, traj.replace(sampler_logprobs=jnp.asarray(windowed)))
+    assert float(m["actor/sampler_logprob_abs_diff_max"]) < 1e-5
+    # Under the whole transcript the second turn's tokens are scored differently: the metric sees it.
+    _, m_full = update(state, traj.replace(sampler_logprobs=jnp.asarray(_window_logprobs(
+        model, traj.replace(context_start=jnp.full_like(traj.context_start, 2)), 2))))
+    assert float(m_full["actor/sampler_logprob_abs_diff_max"]) > 1e-3
+    assert float(m["collapse/computed"]) == 1.0
+    assert np.isfinite(float(m["collapse_trajectory_sample/mi_estimate"]))
+    assert float(m["train/optimizer_steps"]) == cfg.mini_batch_layout(BATCH)[0]
+
+
+@pytest.mark.slow
+def test_limited_context_covering_the_conversation_gives_the_full_update():
+    """A window that holds every turn sees the transcript's own prefixes: same update as full mode
+    (same tokens per mini-batch, same token-mean), though computed on per-turn rows."""
+    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
+    traj = two_turn_traj(71, context_window=2)
+    results = []
+    for per_turn in (None, (2, 24)):
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE, per_turn_rows=per_turn)
+        results.append(update(state, traj))
+    (s_full, m_full), (s_rows, m_rows) = results
+    assert tree_max_abs_diff(s_full.params, s_rows.params) < 1e-6
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/sampler_logprob_abs_diff_mean"):
+        np.testing.assert_allclose(float(m_full[key]), float(m_rows[key]), rtol=1e-5, atol=1e-7)

@@ -45,8 +45,12 @@ def build_trajectory(
     seq_len: int | None = None,
     max_turns: int | None = None,
     sampler_logprobs: np.ndarray | None = None,
+    context_window: int | None = None,
 ) -> Trajectory:
-    """Lay the conversations out as a right-padded ``Trajectory`` (all arrays as documented there)."""
+    """Lay the conversations out as a right-padded ``Trajectory`` (all arrays as documented there).
+
+    ``context_window`` k: ``context_start`` as a limited-context rollout records it (turn t saw the
+    preamble and turns ``max(0, t - k + 1) .. t``); None: the preamble length (full context)."""
     batch = len(conversations)
     if len(group_ids) != batch:
         raise ValueError(f"{len(group_ids)} group ids for {batch} conversations")
@@ -54,8 +58,9 @@ def build_trajectory(
     for conv in conversations:
         toks = list(conv.preamble)
         loss, turn_of = [False] * len(toks), [-1] * len(toks)
-        meta = []
+        meta, starts = [], []
         for t, turn in enumerate(conv.turns):
+            starts.append(len(toks))
             toks += turn.obs + [THINK]
             loss += [False] * (len(turn.obs) + 1)
             turn_of += [t] * (len(turn.obs) + 1)
@@ -64,7 +69,9 @@ def build_trajectory(
             toks += sampled
             loss += [True] * len(sampled)
             turn_of += [t] * len(sampled)
-            meta.append((p_end, p_end, p_end + len(turn.reasoning), len(toks) - 1, turn))
+            first = t if context_window is None else max(0, t - context_window + 1)
+            ctx = len(conv.preamble) if context_window is None or first == 0 else starts[first]
+            meta.append((p_end, p_end, p_end + len(turn.reasoning), len(toks) - 1, turn, ctx))
         rows.append((toks, loss, turn_of))
         metas.append(meta)
     L = seq_len or max(len(r[0]) for r in rows)
@@ -84,13 +91,15 @@ def build_trajectory(
     p_end = np.zeros((batch, T), np.int32)
     r_start = np.zeros((batch, T), np.int32)
     r_end = np.zeros((batch, T), np.int32)
+    context_start = np.zeros((batch, T), np.int32)
     for b, ((toks, loss, turn_of), meta) in enumerate(zip(rows, metas)):
         n = len(toks)
         tokens[b, :n] = toks
         valid[b, :n] = True
         loss_mask[b, :n] = loss
         turn_ids[b, :n] = turn_of
-        for t, (pe, rs, re_, last, turn) in enumerate(meta):
+        for t, (pe, rs, re_, last, turn, ctx) in enumerate(meta):
+            context_start[b, t] = ctx
             r = turn.reward + turn.format_penalty
             turn_rewards[b, t] = r
             turn_pen[b, t] = turn.format_penalty
@@ -123,4 +132,5 @@ def build_trajectory(
         valid_action_rate=jnp.ones((batch,), jnp.float32),
         effective_action_rate=jnp.ones((batch,), jnp.float32),
         response_length=jnp.asarray(loss_mask.sum(1).astype(np.int32)),
+        context_start=jnp.asarray(context_start),
     )

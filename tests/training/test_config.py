@@ -56,7 +56,7 @@ def test_pretrained_presets_use_original_learning_rates(tmp_path):
     (lambda c: setattr(c, "mode", "serve"), ["mode", "train", "eval"]),
     (lambda c: setattr(c.model, "dtype", "float16"), ["model.dtype", "bfloat16"]),
     (lambda c: setattr(c.eval, "temperature", -1.0), ["eval.temperature"]),
-    (lambda c: setattr(c.rollout, "context_mode", "limited"), ["rollout.context_mode='limited'", "'full'"]),
+    (lambda c: setattr(c.rollout, "context_mode", "window"), ["context_mode='window'", "'limited'", "'full'"]),
 ])
 def test_invalid_values_name_key_and_allowed(mutate, expected):
     cfg = sokoban.get_config()

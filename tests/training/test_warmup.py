@@ -306,3 +306,33 @@ def test_first_turn_phase_ends_when_the_board_is_read(setup, monkeypatch):
     warm = (36 + 4) // 20  # 2 warm-up steps
     expected = [1e-2 * 1 / warm, 1e-2, 1e-2, 1e-2] + [1e-2 * (0.1 + 0.45 * (1 + np.cos(np.pi * k / 4))) for k in range(4)]
     np.testing.assert_allclose(lrs, expected, rtol=1e-6)
+
+
+def test_limited_context_warmup_trains_each_turn_on_its_window(setup):
+    """With ``context_window=1`` the behaviour-cloning rows are the turns as the policy will see
+    them: the system preamble, that turn's user message and the expert's reply — one row per turn
+    that happened, re-derived here from the decoded whole-conversation transcript."""
+    import dataclasses
+
+    tok, graphdef, params, rollout, env, ep = setup
+    limited = make_rollout(graphdef, env, ep, tok, dataclasses.replace(rollout.config, context_mode="limited",
+                                                                       context_window=1))
+    demos = warmup_lib.demonstrations(limited, params, 8, seed=3)
+    (tokens, loss_mask, valid_mask), success, n = warmup_lib.bc_data(demos, limited.per_turn_rows)
+    assert n == sum(int(np.sum(d.num_turns)) for d in demos) > 8  # several turns per episode
+    assert tokens.shape[1] <= limited.cache_len < limited.config.max_seq_len
+    close = "<|im_end|>\n<|im_start|>user\n"
+    preamble = codec_lib.decode(tok, np.asarray(limited.codec.preamble_ids))
+    expected = []
+    for d in demos:
+        for b in range(d.batch_size):
+            text = codec_lib.decode(tok, np.asarray(d.tokens[b])[np.asarray(d.valid_mask[b])])
+            assert text.startswith(preamble)
+            turns = text[len(preamble):].removesuffix("<|im_end|>\n").split(close)
+            assert len(turns) == int(d.num_turns[b])
+            expected += [(preamble + turn, turn.split("<|im_start|>assistant\n<think>")[1]) for turn in turns]
+    for i, (row_text, reply) in enumerate(expected):
+        row = np.asarray(tokens[i])[np.asarray(valid_mask[i])]
+        assert codec_lib.decode(tok, row) == row_text
+        assert codec_lib.decode(tok, np.asarray(tokens[i])[np.asarray(loss_mask[i])]) == reply
+    assert success == pytest.approx(float(np.mean(np.concatenate([np.asarray(d.success) for d in demos]))))
