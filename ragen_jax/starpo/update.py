@@ -526,8 +526,8 @@ def make_update_step(
         if rows is not None:
             # Every per-token array moves to the turn rows; a row trains only its own turn's tokens.
             rows_per_episode = traj.max_turns
-            row_w_rows = row_w[rows.episode]
-            data = {k: (rows.gather(v) if v.ndim == 2 else row_w_rows) for k, v in data.items()}
+            row_w_rows = row_w[rows.episode]  # [B*T]
+            data = {k: row_w_rows if k == "row_weights" else rows.gather(v) for k, v in data.items()}
             data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
 
         def epoch(carry, epoch_key):

@@ -322,7 +322,7 @@ def bc_data(demos: list[Trajectory], per_turn_rows: tuple[int, int] | None = Non
     (``rollout.turn_rows``), and rows of turns that never happened are dropped."""
     data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *demos)
     success = float(jnp.mean(data.success))
-    if per_turn_rows is not None:
+    if per_turn_rows is not None and data.max_turns > 1:  # a one-turn transcript is its own turn row
         view = turn_rows(data, *per_turn_rows).view
         keep = np.flatnonzero(np.asarray(jnp.any(view.loss_mask, axis=1)))
         data = jax.tree.map(lambda x: x[keep], view)

@@ -1,0 +1,145 @@
+"""Where FrozenLake episodes fail: an analysis of the eval JSONL transcripts.
+
+    python -m ragen_jax.training.eval_analysis runs/frozen_lake/eval/transcripts.jsonl [--step N]
+
+For every failed episode, the first wrong thing in it, turn by turn and action by action:
+
+  * ``malformed``    the reply has no ``<answer>`` block, or its reasoning names no cells
+                     (``The player is at (r, c) and the goal at (r, c)``, the warm-up's wording);
+  * ``wrong cells``  the reasoning names a wrong player or goal cell;
+  * ``invalid``      an answer word that is not an action;
+  * ``into a hole``  a move onto a hole;
+  * ``not nearer``   a move that does not shorten the shortest safe path to the goal;
+  * ``budget``       every move was a shortest-path move, but the actions ran out.
+
+Also, over all turns of all episodes: the share of turns whose reasoning names both cells right,
+and the share of executed moves that are shortest-path moves. Boards are read back from the
+transcripts' ``grid`` (or ``grid_coord``) observations, so the analysis needs nothing but the file.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+from collections import deque
+
+MOVES = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+CATEGORIES = ("malformed", "wrong cells", "invalid", "into a hole", "not nearer", "budget")
+_CELLS = re.compile(r"player is at \((\d+), (\d+)\) and the goal at \((\d+), (\d+)\)")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_BOARD_CHARS = set("P_OGX√")
+
+
+def turns_of(transcript: str) -> list[tuple[list[str], str]]:
+    """``[(board rows, reply)]`` per assistant turn; the board is the grid shown in that turn's
+    user message (the last ``State:`` block before the reply)."""
+    parts = transcript.split("<|im_start|>assistant\n")
+    out = []
+    for before, after in zip(parts[:-1], parts[1:]):
+        state = before.rsplit("State:\n", 1)
+        if len(state) < 2:
+            raise ValueError("a turn without a 'State:' observation; is this a FrozenLake eval transcript?")
+        block = state[1].split("Grid Map: \n")[-1]
+        rows = []
+        for line in block.split("\n"):
+            if line and set(line) <= _BOARD_CHARS:
+                rows.append(line)
+            elif rows:
+                break
+        if not rows:
+            raise ValueError("no grid in a turn's observation; the analysis needs the 'grid' or 'grid_coord' "
+                             "observation format")
+        out.append((rows, after.split("<|im_end|>")[0]))
+    return out
+
+
+def distances(board: list[str]):
+    """(player cell, goal cell, {cell: shortest safe path length to the goal}) by BFS from the goal."""
+    n_rows, n_cols = len(board), len(board[0])
+    find = lambda chars: next(((r, c) for r in range(n_rows) for c in range(n_cols) if board[r][c] in chars), None)
+    player, goal = find("PX√"), find("G√")
+    dist = {goal: 0}
+    queue = deque([goal])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in MOVES.values():
+            q = (r + dr, c + dc)
+            if 0 <= q[0] < n_rows and 0 <= q[1] < n_cols and q not in dist and board[q[0]][q[1]] != "O":
+                dist[q] = dist[(r, c)] + 1
+                queue.append(q)
+    return player, goal, dist
+
+
+def analyse(records: list[dict]) -> dict:
+    """Failure categories (first wrong thing per failed episode) and per-turn / per-move rates."""
+    failures = collections.Counter()
+    turns = cells_right = moves = shortest = 0
+    for rec in records:
+        first_wrong = None
+        for board, reply in turns_of(rec["transcript"]):
+            player, goal, dist = distances(board)
+            if player is None or player == goal or player not in dist:
+                break  # the episode is over (on the goal or in a hole)
+            turns += 1
+            named = _CELLS.search(reply)
+            right = bool(named) and (int(named[1]), int(named[2])) == player and (int(named[3]), int(named[4])) == goal
+            cells_right += right
+            answer = _ANSWER.search(reply)
+            wrong = None
+            if not named or not answer:
+                wrong = "malformed"
+            elif not right:
+                wrong = "wrong cells"
+            pos = player
+            for word in (answer[1].split("||") if answer else []):
+                word = word.strip()
+                if word not in MOVES:
+                    wrong = wrong or "invalid"
+                    break
+                r, c = pos[0] + MOVES[word][0], pos[1] + MOVES[word][1]
+                nxt = (min(max(r, 0), len(board) - 1), min(max(c, 0), len(board[0]) - 1))
+                moves += 1
+                good = nxt in dist and dist[nxt] < dist[pos]
+                shortest += good
+                if not good:
+                    wrong = wrong or ("into a hole" if nxt not in dist else "not nearer")
+                    break
+                pos = nxt
+                if dist[pos] == 0:
+                    break
+            if wrong and first_wrong is None:
+                first_wrong = wrong
+        if not rec["success"]:
+            failures[first_wrong or "budget"] += 1
+    return {
+        "episodes": len(records),
+        "failures": sum(failures.values()),
+        "first_wrong": {k: failures.get(k, 0) for k in CATEGORIES},
+        "turns": turns,
+        "turns_naming_both_cells": cells_right / max(turns, 1),
+        "moves": moves,
+        "shortest_path_moves": shortest / max(moves, 1),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("jsonl", help="eval transcripts (runs/<job>/eval/transcripts.jsonl)")
+    parser.add_argument("--step", type=int, default=None, help="only the evaluation at this step (default: the last)")
+    args = parser.parse_args(argv)
+    with open(args.jsonl) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise SystemExit(f"{args.jsonl}: no records")
+    step = max(r["step"] for r in records) if args.step is None else args.step
+    chosen = [r for r in records if r["step"] == step]
+    if not chosen:
+        raise SystemExit(f"{args.jsonl}: no evaluation at step {step}; steps: {sorted({r['step'] for r in records})}")
+    result = analyse(chosen)
+    print(json.dumps({"step": step, **result}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The eval-transcript failure analysis on hand-made FrozenLake transcripts (hand-worked answers)."""
+import json
+
+import pytest
+
+from ragen_jax.training import eval_analysis
+
+SYSTEM = "<|im_start|>system\nYou are solving the FrozenLake puzzle.\n<|im_end|>\n"
+# Player (0, 0), goal (1, 3), a hole at (0, 1): shortest safe path Down, Right, Right, Right.
+BOARD = ["PO__", "___G", "____", "O___"]
+AFTER_DOWN_RIGHT = ["_O__", "_P_G", "____", "O___"]
+
+
+def transcript(*turns):
+    text = SYSTEM
+    for t, (board, reply) in enumerate(turns):
+        text += (f"<|im_start|>user\nTurn {t + 1}:\nState:\n" + "\n".join(board) +
+                 "\nYou have 6 actions left.\n<|im_end|>\n<|im_start|>assistant\n" + reply + "<|im_end|>\n")
+    return text
+
+
+def reply(player, goal, actions):
+    cells = f"The player is at ({player[0]}, {player[1]}) and the goal at ({goal[0]}, {goal[1]})"
+    return f"<think>{cells}; moving on.</think><answer>{' || '.join(actions)}</answer>"
+
+
+RECORDS = [
+    # solved in two turns, every move a shortest-path move: not a failure
+    dict(step=5, success=True, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Down", "Right"])),
+                                                    (AFTER_DOWN_RIGHT, reply((1, 1), (1, 3), ["Right", "Right"])))),
+    # Right from (0, 0) is the hole
+    dict(step=5, success=False, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Right"])))),
+    # wrong player cell named, the moves themselves fine; then the actions ran out
+    dict(step=5, success=False, transcript=transcript((BOARD, reply((2, 0), (1, 3), ["Down", "Right"])))),
+    # no answer block
+    dict(step=5, success=False, transcript=transcript((BOARD, "<think>hmm</think>"))),
+    # Up from row 0 stays put: not nearer
+    dict(step=5, success=False, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Up", "Down"])))),
+    # shortest moves only, budget spent
+    dict(step=5, success=False, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Down", "Right"])))),
+    # an answer word that is not an action
+    dict(step=5, success=False, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Jump"])))),
+    # an earlier evaluation, ignored by default
+    dict(step=1, success=False, transcript=transcript((BOARD, reply((0, 0), (1, 3), ["Right"])))),
+]
+
+
+def test_first_wrong_thing_per_failed_episode(tmp_path):
+    path = tmp_path / "transcripts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = eval_analysis.main([str(path)])
+    assert out["episodes"] == 7 and out["failures"] == 6
+    assert out["first_wrong"] == {"malformed": 1, "wrong cells": 1, "invalid": 1, "into a hole": 1,
+                                  "not nearer": 1, "budget": 1}
+    # turns: 2 + 1 × 6; cells right in all but the wrong-cells and the malformed turn
+    assert out["turns"] == 8
+    assert out["turns_naming_both_cells"] == pytest.approx(6 / 8)
+    # moves checked: 4 (solved) + 1 (hole) + 2 (wrong cells) + 1 (Up) + 2 (budget) = 10, of which
+    # the hole and the Up are not shortest-path moves ("Jump" is not a move)
+    assert out["moves"] == 10
+    assert out["shortest_path_moves"] == pytest.approx(8 / 10)
+    assert eval_analysis.main([str(path), "--step", "1"])["first_wrong"]["into a hole"] == 1
+
+
+def test_a_transcript_without_a_grid_is_a_clear_error():
+    with pytest.raises(ValueError, match="grid"):
+        eval_analysis.turns_of(SYSTEM + "<|im_start|>user\nState:\nPlayer: (0, 0)\n<|im_end|>\n"
+                                        "<|im_start|>assistant\n<think>x</think>")
