@@ -2,6 +2,7 @@
 
     rollout = make_rollout(graphdef, env, env_params, tokenizer, RolloutConfig(...))
     trajectory = rollout(params, jax.random.fold_in(key, step))
+    rows = turn_rows(trajectory, *rollout.per_turn_rows)   # limited context: one row per turn
 """
 from ragen_jax.rollout.agent import (
     CONTEXT_MODES,
@@ -16,8 +17,10 @@ from ragen_jax.rollout.agent import (
 from ragen_jax.rollout.chat import ChatFraming, chat_framing
 from ragen_jax.rollout.host_env import HostEnv
 from ragen_jax.rollout.trajectory import Trajectory
+from ragen_jax.rollout.turn_rows import TurnRows, turn_rows
 
 __all__ = [
     "CONTEXT_MODES", "ChatFraming", "ForcedReplies", "HostEnv", "Rollout", "RolloutConfig", "Trajectory",
-    "build_system_text", "chat_framing", "make_rollout", "rollout_metrics", "validation_keys",
+    "TurnRows", "build_system_text", "chat_framing", "make_rollout", "rollout_metrics", "turn_rows",
+    "validation_keys",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 CRITIC_MODES = ("auto", "none", "shared", "separate")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def _section_from_dict(cls, section: str, values: Any):
@@ -68,7 +69,9 @@ class StarPOConfig:
       ``micro_batch_size`` trajectories (None = the whole mini-batch at once). Micro-batching changes
       memory, never the result. ``shuffle`` permutes rows each epoch (the original does not).
     Optimisation: AdamW (``actor_lr``, ``critic_lr``, ``weight_decay``, ``adam_b1/b2/eps``) with a
-      linear warm-up over ``warmup_steps`` optimizer steps, global-norm clipping at ``grad_clip``.
+      linear warm-up over ``warmup_steps`` optimizer steps, then ``lr_schedule`` = constant | cosine
+      (decay to ``min_lr_ratio`` × lr over ``lr_decay_steps`` optimizer steps, as verl's cosine
+      warm-up style), global-norm clipping at ``grad_clip``.
     Critic: ``critic`` = auto (a separate critic when the estimator needs one, else none) | none |
       shared (a value head on the policy's hidden states; the value loss does not reach the trunk) |
       separate (its own Decoder + value head); ``cliprange_value`` clips the value update.
@@ -106,6 +109,9 @@ class StarPOConfig:
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
     warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    lr_decay_steps: int = 0
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.01
     adam_b1: float = 0.9
     adam_b2: float = 0.999
@@ -147,6 +153,14 @@ class StarPOConfig:
             _check(isinstance(value, float) and 0.0 <= value < 1.0, f"{s}.{name} must be in [0, 1), got {value!r}.")
         _check_int(s, "ppo_epochs", self.ppo_epochs, 1)
         _check_int(s, "warmup_steps", self.warmup_steps, 0)
+        _check(self.lr_schedule in LR_SCHEDULES,
+               f"{s}.lr_schedule={self.lr_schedule!r}; allowed: {', '.join(LR_SCHEDULES)}.")
+        _check_int(s, "lr_decay_steps", self.lr_decay_steps, 0)
+        _check(self.lr_schedule != "cosine" or self.lr_decay_steps >= 1,
+               f"{s}.lr_schedule='cosine' needs {s}.lr_decay_steps >= 1 (the optimizer steps to decay over; "
+               "a StarPO step takes one per kept mini-batch and PPO epoch).")
+        _check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
+               f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
         for name in ("mini_batch_size", "num_mini_batches", "micro_batch_size"):
             if getattr(self, name) is not None:

@@ -77,11 +77,19 @@ class TrainState:
 # Optimizer and state
 
 
-def learning_rate_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
-    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps (first step lr/warmup), then constant."""
+def learning_rate_schedule(lr: float, warmup_steps: int, schedule: str = "constant", decay_steps: int = 0,
+                           min_lr_ratio: float = 0.0) -> optax.Schedule:
+    """Linear warm-up to ``lr`` over ``warmup_steps`` optimizer steps (first step lr/warmup), then
+    constant, or (``schedule="cosine"``) a cosine decay to ``min_lr_ratio * lr`` over the next
+    ``decay_steps`` optimizer steps, constant after that."""
+    if schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps, alpha=min_lr_ratio)
+    else:
+        after = optax.constant_schedule(lr)
     if warmup_steps <= 1:
-        return optax.constant_schedule(lr)
-    return optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1)
+        return after
+    warm = optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1)
+    return optax.join_schedules([warm, after], [warmup_steps - 1])
 
 
 def make_optimizer(lr: float, cfg: StarPOConfig) -> optax.GradientTransformation:
@@ -89,7 +97,7 @@ def make_optimizer(lr: float, cfg: StarPOConfig) -> optax.GradientTransformation
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(
-            learning_rate_schedule(lr, cfg.warmup_steps),
+            learning_rate_schedule(lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps, cfg.min_lr_ratio),
             b1=cfg.adam_b1,
             b2=cfg.adam_b2,
             eps=cfg.adam_eps,
@@ -331,7 +339,8 @@ def make_update_step(
                          "init_train_state using the same StarPOConfig.")
     actor_tx = make_optimizer(cfg.actor_lr, cfg)
     critic_tx = make_optimizer(cfg.critic_lr, cfg)
-    actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps)
+    actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,
+                                      cfg.min_lr_ratio)
     chunk = cfg.logprob_chunk_size
 
     micro_loss, critic_values = make_loss_fn(graphdefs, cfg, shared_prefix_len)

@@ -308,6 +308,21 @@ def test_config_errors_name_the_key_and_allowed_values():
     assert StarPOConfig().mini_batch_layout(128) == (4, 32)
     with pytest.raises(ValueError, match="does not divide"):
         StarPOConfig(mini_batch_size=5).mini_batch_layout(16)
+    with pytest.raises(ValueError, match=r"lr_schedule='linear'; allowed: constant, cosine"):
+        StarPOConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match=r"lr_schedule='cosine' needs starpo\.lr_decay_steps >= 1"):
+        StarPOConfig(lr_schedule="cosine")
+
+
+def test_learning_rate_schedules_hand_worked():
+    """Linear warm-up (step i: lr (i + 1) / warmup), then constant or a cosine to min_lr_ratio × lr."""
+    const = U.learning_rate_schedule(2.0, 4)
+    np.testing.assert_allclose([float(const(i)) for i in (0, 1, 3, 100)], [0.5, 1.0, 2.0, 2.0], rtol=1e-6)
+    cos = U.learning_rate_schedule(2.0, 4, "cosine", decay_steps=10, min_lr_ratio=0.1)
+    # After warm-up (3 counts), count 3 + k is 0.2 + 1.8 (1 + cos(pi k / 10)) / 2, then 0.2 from k = 10.
+    expected = [2.0 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(k, 10) / 10))) for k in (0, 5, 10, 20)]
+    np.testing.assert_allclose([float(cos(3 + k)) for k in (0, 5, 10, 20)], expected, rtol=1e-6)
+    np.testing.assert_allclose([float(cos(i)) for i in (0, 1)], [0.5, 1.0], rtol=1e-6)
 
 
 def test_init_rejects_a_critic_of_the_wrong_kind():
