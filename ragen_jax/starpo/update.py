@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from ragen_jax.rollout import turn_rows as turn_rows_lib
+from ragen_jax.rollout.turn_rows import turn_rows
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import collapse as collapse_lib
@@ -444,7 +444,7 @@ def make_update_step(
             old = _rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size)
         else:
             # Scored on the contexts the replies were sampled in, then written back to the transcript.
-            rows = turn_rows_lib.turn_rows(traj, *per_turn_rows)
+            rows = turn_rows(traj, *per_turn_rows)
             old = _rows_in_chunks(score_rows, {"tokens": rows.view.tokens}, micro_size * traj.max_turns)
             old = {k: rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
         old = jax.lax.stop_gradient(old)
