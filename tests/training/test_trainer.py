@@ -158,12 +158,14 @@ def test_time_limit_stops_after_the_crossing_step_and_checkpoints_it(tmp_path):
     ckpt.close()
 
 
-def test_limited_context_training_scores_turns_on_their_windows(tmp_path):
-    """``rollout.context_mode=limited`` trains end to end; the update's recomputed log-probs of the
-    sampled tokens match the sampler's (same weights, the window each turn saw), every step."""
+@pytest.mark.parametrize("context_mode", ["full", "limited"])
+def test_update_scores_turns_on_the_context_they_were_sampled_in(tmp_path, context_mode):
+    """Whole conversations and one-turn windows (the main job's) train end to end; the update's
+    recomputed log-probs of the sampled tokens match the sampler's (same weights, same context),
+    every step."""
     from ragen_jax.training.trainer import train
 
-    spec = small_config(tmp_path, total_steps=2, **{"rollout.context_mode": "limited", "rollout.context_window": 1,
+    spec = small_config(tmp_path, total_steps=2, **{"rollout.context_mode": context_mode, "rollout.context_window": 1,
                                                     "trainer.eval_every": 0, "trainer.save_every": 10})
     out = train(spec)
     assert out["summary"]["steps"] == 2.0
