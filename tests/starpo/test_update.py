@@ -363,19 +363,25 @@ def test_micro_batching_gives_the_same_update_end_to_end():
     np.testing.assert_allclose(float(m_full["actor/grad_norm"]), float(m_micro["actor/grad_norm"]), rtol=1e-5)
 
 
+def first_updates(traj, variants):
+    """The first LINEAR_FIRST_STEP update of the same fresh policy, once per ``make_update_step``
+    keyword set in ``variants`` (no diagnostics): ``[(state, metrics), ...]``."""
+    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
+    results = []
+    for kwargs in variants:
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE, **kwargs)
+        results.append(update(state, traj))
+    return results
+
+
 @pytest.mark.slow
 def test_shared_prompt_once_per_batch_gives_the_same_update():
     """``shared_prefix_len``: the preamble every row opens with ([7, 8]) run once per batch."""
     traj = random_traj(51)
     assert np.all(np.asarray(traj.tokens[:, :2]) == [7, 8])
-    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
-    results = []
-    for prefix in (0, 2):
-        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
-        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
-                                    trajectory_enabled=False), group_size=GROUP_SIZE, shared_prefix_len=prefix)
-        results.append(update(state, traj))
-    (s_full, m_full), (s_once, m_once) = results
+    (s_full, m_full), (s_once, m_once) = first_updates(traj, [dict(shared_prefix_len=0), dict(shared_prefix_len=2)])
     assert tree_max_abs_diff(s_full.params, s_once.params) < 1e-6
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         np.testing.assert_allclose(float(m_full[key]), float(m_once[key]), rtol=1e-5, atol=1e-7)
@@ -491,15 +497,8 @@ def test_limited_context_update_scores_each_turn_on_its_window():
 def test_limited_context_covering_the_conversation_gives_the_full_update():
     """A window that holds every turn sees the transcript's own prefixes: same update as full mode
     (same tokens per mini-batch, same token-mean), though computed on per-turn rows."""
-    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
     traj = two_turn_traj(71, context_window=2)
-    results = []
-    for per_turn in (None, (2, 24)):
-        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
-        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
-                                    trajectory_enabled=False), group_size=GROUP_SIZE, per_turn_rows=per_turn)
-        results.append(update(state, traj))
-    (s_full, m_full), (s_rows, m_rows) = results
+    (s_full, m_full), (s_rows, m_rows) = first_updates(traj, [dict(per_turn_rows=None), dict(per_turn_rows=(2, 24))])
     assert tree_max_abs_diff(s_full.params, s_rows.params) < 1e-6
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/sampler_logprob_abs_diff_mean"):
         np.testing.assert_allclose(float(m_full[key]), float(m_rows[key]), rtol=1e-5, atol=1e-7)
