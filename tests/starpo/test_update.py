@@ -460,13 +460,15 @@ def _window_logprobs(model, traj, preamble_len):
     """NumPy-built contexts: preamble + tokens[context_start : turn end], one forward each; the
     log-prob of every sampled token under the context of its own turn, in transcript layout."""
     tokens, turn_ids = np.asarray(traj.tokens), np.asarray(traj.turn_ids)
+    width = tokens.shape[1]
+    # One compiled forward for every context: right padding cannot reach earlier positions (causal).
+    forward = jax.jit(lambda x: jax.nn.log_softmax(model(x, jnp.arange(width)[None])[0][0], -1))
     out = np.zeros(tokens.shape, np.float32)
     for b in range(tokens.shape[0]):
         for t in range(traj.max_turns):
             cs, end = int(traj.context_start[b, t]), int(traj.turn_last_token[b, t]) + 1
             ctx = np.concatenate([tokens[b, :preamble_len], tokens[b, cs:end]])
-            logits, _ = model(jnp.asarray(ctx)[None], jnp.arange(len(ctx))[None])
-            lp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+            lp = np.asarray(forward(jnp.asarray(np.pad(ctx, (0, width - len(ctx))))[None]))
             for i in np.nonzero(np.asarray(traj.loss_mask[b]) & (turn_ids[b] == t))[0]:
                 j = i - cs + preamble_len
                 out[b, i] = lp[j - 1, ctx[j]]
