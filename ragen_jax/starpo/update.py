@@ -536,7 +536,8 @@ def make_update_step(
             # Every per-token array moves to the turn rows; a row trains only its own turn's tokens.
             rows_per_episode = traj.max_turns
             row_w_rows = row_w[rows.episode]  # [B*T]
-            data = {k: row_w_rows if k == "row_weights" else rows.gather(v) for k, v in data.items()}
+            data = {k: row_w_rows if k == "row_weights" else rows.view.tokens if k == "tokens" else rows.gather(v)
+                    for k, v in data.items()}
             data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
 
         def epoch(carry, epoch_key):
