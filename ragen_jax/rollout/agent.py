@@ -533,21 +533,22 @@ class Rollout:
         return nst, r, term, trunc, info
 
     # ---- limited context window -------------------------------------------------------------
-    def _window_first_turn(self, t):
-        return jnp.maximum(t - self.config.context_window + 1, 0)
+    def _window(self, turn_starts, t):
+        """(first turn kept in turn ``t``'s window, int32 [B] transcript index where it starts)."""
+        first = jnp.maximum(t - self.config.context_window + 1, 0)
+        start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
+        return first, start
 
     def _context_start(self, turn_starts, t, P0, active):
         """Transcript index where turn ``t``'s visible history (after the preamble) begins."""
         if self.config.context_mode == "full":
             return jnp.where(active, P0, 0)
-        first = self._window_first_turn(t)
-        start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
+        first, start = self._window(turn_starts, t)
         return jnp.where(active, jnp.where(first > 0, start, P0), 0)
 
     def _cache_pos(self, turn_starts, pos, t, P0):
         """Cache write position in limited mode: preamble + the kept turns."""
-        first = self._window_first_turn(t)
-        start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
+        first, start = self._window(turn_starts, t)
         # With a one-turn window ``start`` lies after the previous close, which is not prefilled.
         return jnp.where(first > 0, P0 + jnp.maximum(pos - start, 0), pos)
 
@@ -560,9 +561,8 @@ class Rollout:
         """
         if self.config.context_window == 1:
             return cache
-        first = self._window_first_turn(t)
+        first, start = self._window(turn_starts, t)
         B, L = buf.shape
-        start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (B, 1)), 1)[:, 0]
         kept = jnp.where(active, pos - start, 0)
         j = jnp.arange(self.cache_len - P0)
         hist = jnp.take_along_axis(buf, jnp.clip(start[:, None] + j[None], 0, L - 1), 1)
