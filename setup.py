@@ -24,6 +24,7 @@ setup(
         "absl-py>=2.1",
         "tensorboardX>=2.6",
         "transformers>=5.0,<6",
+        "jinja2>=3.1",  # transformers' apply_chat_template (the prompt of every turn) needs it
         "tokenizers>=0.22",
         "safetensors>=0.4",
         "gguf>=0.17",
