@@ -25,23 +25,61 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host).")
 
 
+# Keys of which a run sets one at most. A config file may set one (the shipped ones set
+# mini_batch_size); naming the other on the command line replaces it rather than conflicting.
+EXCLUSIVE_KEYS = (("starpo.mini_batch_size", "starpo.num_mini_batches"),)
+
+
+def _override_keys(argv: list[str]) -> list[str]:
+    """The dotted keys set by ``--config.a.b=value`` arguments."""
+    return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.") and "=" in a]
+
+
+def _load_config(path: str):
+    """``get_config()`` of the config file at ``path``; raises ``ValueError`` saying what is wrong."""
+    import importlib.util
+    import traceback
+
+    if not os.path.isfile(path):
+        here = os.path.dirname(path) or "."
+        shipped = sorted(f for f in os.listdir(here) if f.endswith(".py") and f != "__init__.py") \
+            if os.path.isdir(here) else []
+        hint = f"; config files in {here}/: {', '.join(shipped)}" if shipped else \
+            " (run from the repository root, e.g. --config configs/frozen_lake.py)"
+        raise ValueError(f"config file {path!r} does not exist{hint}")
+    spec = importlib.util.spec_from_file_location("_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ValueError(f"config file {path!r} defines no get_config() returning a ConfigDict")
+        cfg = module.get_config()
+    except ValueError as e:
+        if "get_config" in str(e):
+            raise
+        cause = e
+    except Exception as e:  # noqa: BLE001 - any error in the user's file is reported, not raised
+        cause = e
+    else:
+        if not hasattr(cfg, "keys"):
+            raise ValueError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+        return cfg
+    if isinstance(cause, SyntaxError):
+        where = f"line {cause.lineno}: {(cause.text or '').strip()}"
+    else:
+        frames = [f for f in traceback.extract_tb(cause.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        where = f"line {frames[-1].lineno}: {frames[-1].line}" if frames else "while loading"
+    raise ValueError(f"config file {path!r} could not be loaded ({where}): {type(cause).__name__}: {cause}")
+
+
 def _explain_unknown_override(argv: list[str]) -> str | None:
     """A clearer message than absl's for ``--config.a.b=...`` naming a key that does not exist."""
-    import importlib.util
-
     path = _config_path(argv)
     if not path:
         return None
-    spec = importlib.util.spec_from_file_location("_user_config", path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    for arg in argv:
-        if not arg.startswith("--config.") or "=" not in arg:
-            continue
-        dotted = arg[len("--config."):].split("=", 1)[0]
+    cfg = _load_config(path)
+    for dotted in _override_keys(argv):
         node, walked = cfg, []
         for part in dotted.split("."):
             keys = list(node.keys()) if hasattr(node, "keys") else []
@@ -53,6 +91,26 @@ def _explain_unknown_override(argv: list[str]) -> str | None:
                         f"Allowed keys in '{where}': {', '.join(sorted(keys))}")
             node, walked = node[part], walked + [part]
     return None
+
+
+def apply_exclusive_overrides(config, argv: list[str]) -> list[str]:
+    """Clear the partner of each ``EXCLUSIVE_KEYS`` key that only the command line sets.
+
+    Returns one note per key cleared (printed at start-up, so the replacement is never silent).
+    """
+    given = set(_override_keys(argv))
+    notes = []
+    for pair in EXCLUSIVE_KEYS:
+        for key in pair:
+            others = [k for k in pair if k != key]
+            if key not in given or any(o in given for o in others):
+                continue
+            for other in others:
+                section, name = other.split(".")
+                if config[section][name] is not None:
+                    notes.append(f"--config.{key} replaces {other}={config[section][name]} of the config file")
+                    config[section][name] = None
+    return notes
 
 
 def main(argv) -> None:
@@ -73,23 +131,31 @@ def main(argv) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from ragen_jax.training.configuration import ConfigError, resolve
 
+    for note in apply_exclusive_overrides(_CONFIG.value, _ARGV):
+        print(f"note: {note}")
+
     if _DISTRIBUTED.value:
         import jax
 
         jax.distributed.initialize()
+    from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
+
     try:
         spec = resolve(_CONFIG.value)
+        if spec.config.mode == "eval":
+            from ragen_jax.training.evaluate import run_eval
+
+            run_eval(spec)
+        else:
+            from ragen_jax.training.trainer import train
+
+            train(spec)
     except ConfigError as e:
         print(f"Configuration error: {e}", file=sys.stderr)
         sys.exit(2)
-    if spec.config.mode == "eval":
-        from ragen_jax.training.evaluate import run_eval
-
-        run_eval(spec)
-    else:
-        from ragen_jax.training.trainer import train
-
-        train(spec)
+    except (CheckpointMismatch, NoIntactCheckpoint) as e:
+        print(f"Checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -100,14 +166,23 @@ def _config_path(argv: list[str]) -> str | None:
     return path.split(":")[0] if path else None
 
 
+_ARGV: list[str] = []
+
+
 def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
+    _ARGV[:] = argv
     path = _config_path(argv)
     if path:
         # Config files import their siblings as ``configs.base``: put the folder above configs/ first.
         root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         if root not in sys.path:
             sys.path.insert(0, root)
+        try:  # a missing or broken file: one line naming it, not config_flags' traceback
+            _load_config(path)
+        except ValueError as e:
+            print(f"Configuration error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     def parse(args):
         try:

@@ -97,6 +97,13 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be a positive int, got {v!r}")
         if self.context_mode not in CONTEXT_MODES:
             raise ValueError(f"RolloutConfig.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"RolloutConfig.top_p={self.top_p!r} must be in (0, 1] (1 = off: sample from the "
+                             "whole distribution)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"RolloutConfig.top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"RolloutConfig.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
         if self.format_penalty > 0:
             raise ValueError(f"RolloutConfig.format_penalty must be <= 0, got {self.format_penalty}")
 

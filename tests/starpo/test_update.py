@@ -2,7 +2,8 @@
 
 Seeds are fixed everywhere (``nnx.Rngs(0)``, ``jax.random.key(n)``, ``np.random.default_rng(n)``), so
 every run trains the same model on the same batches. Compiles are expensive on CPU: most fast tests
-share one compiled update (the ``shared`` fixture); variants that need their own compile are slow.
+share one compiled update (the ``shared`` fixture); the default-path variants that need their own
+compile (GAE with either critic, micro-batches, the shared prompt, windows) run in the default suite too.
 """
 from __future__ import annotations
 
@@ -347,7 +348,6 @@ LINEAR_FIRST_STEP = dict(adv_estimator="grpo", mini_batch_size=8, actor_lr=1.0, 
                          grad_clip=1e6, logprob_chunk_size=8)
 
 
-@pytest.mark.slow
 def test_micro_batching_gives_the_same_update_end_to_end():
     traj = random_traj(50)
     results = []
@@ -376,7 +376,6 @@ def first_updates(traj, variants):
     return results
 
 
-@pytest.mark.slow
 def test_shared_prompt_once_per_batch_gives_the_same_update():
     """``shared_prefix_len``: the preamble every row opens with ([7, 8]) run once per batch."""
     traj = random_traj(51)
@@ -387,7 +386,6 @@ def test_shared_prompt_once_per_batch_gives_the_same_update():
         np.testing.assert_allclose(float(m_full[key]), float(m_once[key]), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("critic_mode", ["shared", "separate"])
 def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
     cfg = StarPOConfig(adv_estimator="gae", critic=critic_mode, mini_batch_size=8, micro_batch_size=4,
@@ -417,7 +415,6 @@ def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
     assert tree_max_abs_diff(state1.critic_params, state.critic_params) > 0
 
 
-@pytest.mark.slow
 def test_shared_value_head_loss_does_not_reach_the_policy_trunk():
     cfg = StarPOConfig(adv_estimator="gae", critic="shared", entropy_coeff=0.0, logprob_chunk_size=8)
     policy = Decoder(MODEL_CFG, rngs=nnx.Rngs(0))
@@ -495,7 +492,6 @@ def test_limited_context_update_scores_each_turn_on_its_window():
     assert float(m["train/optimizer_steps"]) == cfg.mini_batch_layout(BATCH)[0]
 
 
-@pytest.mark.slow
 def test_limited_context_covering_the_conversation_gives_the_full_update():
     """A window that holds every turn sees the transcript's own prefixes: same update as full mode
     (same tokens per mini-batch, same token-mean), though computed on per-turn rows."""

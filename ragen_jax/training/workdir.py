@@ -1,0 +1,185 @@
+"""A run's workdir: one run per directory, never silently replaced, mixed or resumed on another config.
+
+``workdir/config.json`` is the resolved config of the run whose checkpoints are in
+``workdir/checkpoints``. Before training, ``prepare_training_workdir`` compares the new config with
+it and decides:
+
+* no checkpoint yet: a fresh run (stale evaluation records of an earlier attempt are cleared);
+* checkpoints and ``trainer.overwrite=True``: the old run is moved to ``<workdir>.old-<time>``
+  (nothing is deleted) and a fresh one starts;
+* checkpoints and ``trainer.resume=False``: refused — orbax never writes a step at or below the
+  latest one on disk, so a "new" run would keep the old weights under a new ``config.json``;
+* checkpoints and ``trainer.resume=True``: resumed, if the configs differ only in
+  ``RESUME_SAFE_KEYS`` (reported); a change to the run itself (env, model, algorithm, seed, ...)
+  is refused with every differing key.
+
+``check_eval_workdir`` does the same for ``mode=eval``: the env and model must be the run's own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ragen_jax.training.configuration import ConfigError
+
+# Keys that change how long a run goes on, how often it logs, evaluates and saves, or how it is
+# driven — never what a step computes — so a resume may change them.
+RESUME_SAFE_KEYS = (
+    "trainer.total_steps", "trainer.time_limit_minutes", "trainer.eval_every", "trainer.log_every",
+    "trainer.save_every", "trainer.transcript_every", "trainer.keep_checkpoints", "trainer.progress_bar",
+    "trainer.resume", "trainer.overwrite", "trainer.stop_on_success", "trainer.eval_before_train",
+    "eval.write_transcripts", "eval.checkpoint_step", "mode", "workdir", "compilation_cache_dir",
+)
+# In eval mode only these must be the run's own: a checkpoint scored on another env or restored
+# into another model measures nothing.
+EVAL_MUST_MATCH = ("env.", "model.")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}} -> {"a.b": 1}`` (lists and scalars are leaves)."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_as_json(config) -> dict:
+    """The config as ``config.json`` stores it (tuples become lists, as when read back)."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every key whose value differs (missing = ``<unset>``)."""
+    a, b = flatten(saved), flatten(current)
+    missing = "<unset>"
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
+
+
+def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    d = Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
+
+
+def saved_config(workdir: Path) -> dict | None:
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({e}); it should hold the run's config. Restore it, "
+                          "or start a new run with --config.trainer.overwrite=True (the old run is moved aside)")
+
+
+def move_aside(workdir: Path) -> Path:
+    """Rename ``workdir`` to ``<workdir>.old-<time>`` (a free name); returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = workdir.with_name(f"{workdir.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        target, n = workdir.with_name(f"{workdir.name}.old-{stamp}-{n}"), n + 1
+    shutil.move(str(workdir), str(target))
+    return target
+
+
+def prepare_training_workdir(config) -> tuple[bool, list[str]]:
+    """Check ``config.workdir`` against ``config`` (see the module docstring), then write its config.json.
+
+    Returns ``(resume, notes)``: whether to restore the latest checkpoint, and what to tell the user.
+    Raises ``ConfigError`` for a run that must not start.
+    """
+    workdir = Path(config.workdir)
+    t = config.trainer
+    notes: list[str] = []
+    steps = checkpoint_steps(workdir)
+    current = config_as_json(config)
+    resume = False
+    if steps and t.overwrite:
+        notes.append(f"trainer.overwrite=True: the previous run (checkpoints {steps}) moved to {move_aside(workdir)}")
+    elif steps and not t.resume:
+        raise ConfigError(
+            f"workdir {str(workdir)!r} already holds a run (checkpoints at steps {steps}) and trainer.resume=False; "
+            "a new run there would keep the old weights (checkpoint steps are never rewritten). Use a new "
+            "workdir (--config.workdir=...) or --config.trainer.overwrite=True, which moves the old run to "
+            f"{workdir.name}.old-<time> and starts afresh")
+    elif steps:
+        saved = saved_config(workdir)
+        if saved is None:
+            notes.append(f"{workdir / 'config.json'} is missing: resuming without comparing configs")
+        else:
+            changes = config_changes(saved, current)
+            unsafe = [c for c in changes if c[0] not in RESUME_SAFE_KEYS]
+            if unsafe:
+                raise ConfigError(
+                    f"workdir {str(workdir)!r} holds a run with another config; resuming it would continue "
+                    f"that run under these changes: {format_changes(unsafe)}. Use a new workdir "
+                    "(--config.workdir=...), --config.trainer.overwrite=True to move the old run aside, or the "
+                    f"run's own config (saved in {workdir / 'config.json'}). A resume may change only: "
+                    f"{', '.join(k for k in RESUME_SAFE_KEYS if k not in ('mode', 'workdir'))}")
+            safe = [c for c in changes if c[0] not in ("workdir", "trainer.resume")]
+            if safe:
+                notes.append(f"resuming with changed settings: {format_changes(safe)}")
+        resume = True
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(current, indent=2, sort_keys=True))
+    return resume, notes
+
+
+def check_eval_workdir(config) -> list[str]:
+    """``mode=eval``: refuse a config whose env or model is not the run's; report other differences."""
+    workdir = Path(config.workdir)
+    saved = saved_config(workdir)
+    if saved is None or not checkpoint_steps(workdir):
+        return []
+    changes = [c for c in config_changes(saved, config_as_json(config)) if c[0] not in RESUME_SAFE_KEYS]
+    wrong = [c for c in changes if c[0].startswith(EVAL_MUST_MATCH)]
+    if wrong:
+        raise ConfigError(
+            f"workdir {str(workdir)!r} was trained with another env or model: {format_changes(wrong)}. "
+            f"Evaluate it with the run's own config (saved in {workdir / 'config.json'}), e.g. the config file "
+            "it was trained with, with only eval.* keys changed")
+    other = [c for c in changes if c[0].startswith("rollout.")]
+    return [f"evaluating with rollout settings that differ from training: {format_changes(other)}"] if other else []
+
+
+def explain_mismatch(config) -> str:
+    """What to tell a user whose checkpoint does not fit the state this config builds."""
+    workdir = Path(config.workdir)
+    saved = saved_config(workdir)
+    if saved is None:
+        return (f"{workdir / 'config.json'} is missing, so the run's config cannot be compared: use the config "
+                "the run was trained with (model.* and starpo.critic decide the shapes)")
+    changes = [c for c in config_changes(saved, config_as_json(config)) if c[0] not in RESUME_SAFE_KEYS]
+    if changes:
+        return f"config keys that differ from the run's ({workdir / 'config.json'}): {format_changes(changes)}"
+    return ("the config matches the run's config.json, so the checkpoint was written by another version of "
+            "ragen_jax or edited by hand")
+
+
+def trim_records(path: Path, last_step: int) -> None:
+    """Keep the JSONL records of ``path`` with ``step <= last_step`` (atomically): a resumed run
+    re-runs the later steps and writes their records again, once."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a crash mid-write
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+    os.replace(tmp, path)
