@@ -138,6 +138,7 @@ def main(argv) -> None:
         import jax
 
         jax.distributed.initialize()
+    from ragen_jax.models.loading import ModelFileError
     from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
 
     try:
@@ -155,6 +156,9 @@ def main(argv) -> None:
         sys.exit(2)
     except (CheckpointMismatch, NoIntactCheckpoint) as e:
         print(f"Checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ModelFileError as e:
+        print(f"Model file error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

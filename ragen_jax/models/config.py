@@ -134,8 +134,11 @@ class ModelConfig:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no HF config at {path!r}; pass a config.json path, its "
                                         "directory, or a dict.")
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is not valid JSON ({e}); copy the model's config.json again") from None
         c = dict(config)
 
         model_type = c.get("model_type")

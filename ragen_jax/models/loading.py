@@ -163,6 +163,10 @@ def from_hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, Any], *, shard_fn
     return decoder_from_tensors(cfg, get, tensors.keys(), source="hf", shard_fn=shard_fn, strict=strict)
 
 
+class ModelFileError(ValueError):
+    """A model file that cannot be read (truncated, not the format it claims); names the file."""
+
+
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -187,10 +191,21 @@ def read_safetensors_index(file: str) -> dict[str, Callable[[], np.ndarray]]:
     data_offsets}}, then the raw bytes. Read directly (rather than with safetensors' numpy backend)
     because numpy alone has no bfloat16 and most checkpoints are bf16; ml_dtypes supplies it.
     """
+    size = os.path.getsize(file)
+    damaged = f"{file} is truncated or not a safetensors file ({size} bytes); copy or download it again"
     with open(file, "rb") as f:
-        (n,) = np.frombuffer(f.read(8), dtype="<u8")
-        header = json.loads(f.read(int(n)))
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + int(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFileError(f"{damaged}: no header")
+        (n,) = np.frombuffer(head, dtype="<u8")
+        if 8 + int(n) > size:
+            raise ModelFileError(f"{damaged}: its header claims {int(n)} bytes")
+        try:
+            header = json.loads(f.read(int(n)))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{damaged}: the header is not JSON ({e})") from None
+    data_size = size - 8 - int(n)
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + int(n)) if data_size else np.zeros(0, np.uint8)
     readers = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -199,6 +214,9 @@ def read_safetensors_index(file: str) -> dict[str, Callable[[], np.ndarray]]:
             raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']!r}.")
         begin, end = info["data_offsets"]
         dtype, shape = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<"), tuple(info["shape"])
+        if end > data_size or end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise ModelFileError(f"{damaged}: tensor {name!r} {shape} needs bytes {begin}..{end} of "
+                                 f"{data_size} data bytes")
         readers[name] = (lambda b=begin, e=end, d=dtype, s=shape: data[b:e].view(d).reshape(s))
     return readers
 
@@ -288,7 +306,11 @@ def load_gguf(path: str | os.PathLike, *, shard_fn: ShardFn | None = None, stric
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}.")
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - gguf reports damage as whatever numpy raised
+        raise ModelFileError(f"{path} is truncated or not a GGUF file ({os.path.getsize(path)} bytes: "
+                             f"{type(e).__name__}: {e}); copy or download it again") from None
     hf_config = gguf_config_dict(reader)
     cfg = ModelConfig.from_hf_config(hf_config, **config_overrides)
     tensors = {t.name: t for t in reader.tensors}

@@ -94,18 +94,18 @@ class RolloutConfig:
                      "max_new_tokens", "max_seq_len", "context_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {v!r}")
+                raise ValueError(f"rollout.{name} must be a positive int, got {v!r}")
         if self.context_mode not in CONTEXT_MODES:
-            raise ValueError(f"RolloutConfig.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
+            raise ValueError(f"rollout.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"RolloutConfig.top_p={self.top_p!r} must be in (0, 1] (1 = off: sample from the "
+            raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1] (1 = off: sample from the "
                              "whole distribution)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"RolloutConfig.top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+            raise ValueError(f"rollout.top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"RolloutConfig.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+            raise ValueError(f"rollout.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
         if self.format_penalty > 0:
-            raise ValueError(f"RolloutConfig.format_penalty must be <= 0, got {self.format_penalty}")
+            raise ValueError(f"rollout.format_penalty must be <= 0, got {self.format_penalty}")
 
     @property
     def batch_size(self) -> int:

@@ -25,7 +25,8 @@ Example — a custom environment::
 ``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
 ``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
 same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
-the limit): silently cutting the state text would change what the model sees.
+the limit): silently cutting the state text would change what the model sees. So is a NaN or
+infinite reward, named with the env, the row and the step.
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ class HostEnv:
         seeds = np.asarray(seeds)
         toks = np.zeros((len(seeds), self.max_obs_tokens), np.int32)
         n = np.zeros((len(seeds),), np.int32)
+        self._steps = np.zeros((len(seeds),), np.int64)
         for i, s in enumerate(seeds):
             toks[i], n[i] = self._encode(self.envs[i].reset(int(s)))
         return toks, n
@@ -126,7 +128,15 @@ class HostEnv:
         for i in range(b):
             if not do[i]:
                 continue
-            text, r, done, info = self.envs[i].step(self.action_names[int(actions[i])])
+            action = self.action_names[int(actions[i])]
+            text, r, done, info = self.envs[i].step(action)
+            self._steps[i] += 1
+            if not np.isfinite(r):
+                # Shown to the model as "Reward: 0.0" / the clip limit and summed into the returns,
+                # a NaN or inf would corrupt the turn text and every advantage of the batch.
+                raise ValueError(f"HostEnv {type(self.envs[i]).__name__} returned a non-finite reward {r!r} at "
+                                 f"step {int(self._steps[i])} of row {i} (action {action!r}); its step() must "
+                                 "return a finite float")
             info = info or {}
             toks[i], n[i] = self._encode(text)
             reward[i] = r

@@ -96,7 +96,9 @@ def _quiet_stderr(log: list[str]):
     """Route file descriptor 2 to a buffer: a failing tensorstore read prints a traceback per array
     from its own threads, hundreds of lines that say nothing the caught exception does not."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, hook = os.dup(2), sys.unraisablehook
+    # The same tracebacks also reach Python as "unraisable" exceptions of those threads.
+    sys.unraisablehook = lambda u: log.append(f"{u.exc_type.__name__}: {u.exc_value}")
     with tempfile.TemporaryFile(mode="w+b") as buf:
         os.dup2(buf.fileno(), 2)
         try:
@@ -106,6 +108,7 @@ def _quiet_stderr(log: list[str]):
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+            sys.unraisablehook = hook
             buf.seek(0)
             log.append(buf.read().decode("utf-8", "replace"))
 

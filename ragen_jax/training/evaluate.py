@@ -48,7 +48,7 @@ class Evaluator:
         t0 = time.time()
         k = int(self.eval_cfg.pass_k)
         rows = self.groups_per_chunk * k
-        succ, ret, turns, valid, length = [], [], [], [], []
+        succ, ret, turns, valid, length, truncated = [], [], [], [], [], []
         records = []
         for c in range(self.num_chunks):
             keys = self.env_keys[c * rows:(c + 1) * rows]
@@ -59,6 +59,7 @@ class Evaluator:
             turns.append(traj.num_turns)
             valid.append(traj.valid_action_rate)
             length.append(traj.response_length)
+            truncated.append(traj.truncated)
             if jsonl_path is not None:
                 records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk))
         n = self.num_episodes * k  # drop the padding puzzles of the last chunk
@@ -70,6 +71,7 @@ class Evaluator:
             "val/num_turns": float(np.concatenate(turns)[:n].mean()),
             "val/valid_action_rate": float(np.concatenate(valid)[:n].mean()),
             "val/response_length": float(np.concatenate(length)[:n].mean()),
+            "val/truncated": float(np.concatenate(truncated)[:n].mean()),
             "timing_s/eval": time.time() - t0,
         }
         if jsonl_path is not None:

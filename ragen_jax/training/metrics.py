@@ -41,6 +41,8 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
         "sequence_length_max": traj.lengths.max().astype(jnp.float32),
         "format_penalty": traj.turn_format_penalty.sum(axis=1).mean(),
         "sampled_tokens": traj.response_length.sum().astype(jnp.float32),
+        # Episodes ended by rollout.max_seq_len before their last turn (the trainer warns).
+        "truncated": (jnp.zeros(()) if traj.truncated is None else traj.truncated.astype(jnp.float32).mean()),
     }
 
 

@@ -235,6 +235,12 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         um = _drop_uncomputed(to_host_scalars(jax.device_get(um)))
         t2 = time.time()
         _warn_nonfinite(step, um, bar)
+        if rm["truncated"] > 0 and not summary.get("train/truncated_first_step"):
+            summary["train/truncated_first_step"] = float(step)
+            _console_warning(bar, f"warning: step {step}: {rm['truncated']:.0%} of the episodes were cut short: "
+                                  f"their next turn would not fit rollout.max_seq_len={spec.rollout.max_seq_len} "
+                                  "(system prompt + every turn so far + one more user block and reply). Raise "
+                                  "rollout.max_seq_len; train/truncated in TensorBoard tracks the fraction")
         metrics = {f"train/{k}": float(v) for k, v in rm.items()}
         metrics.update(um)
         metrics["timing_s/rollout"] = t1 - t0
@@ -323,9 +329,14 @@ def _warn_nonfinite(step: int, metrics: dict, bar) -> None:
     if not skipped:
         return
     total = int(metrics.get("train/nonfinite_grad_skipped_total", skipped))
-    msg = (f"warning: step {step}: {skipped} optimizer step(s) skipped for a non-finite gradient ({total} in "
-           "this run); the weights were left as they were. If this repeats, lower starpo.actor_lr / "
-           "critic_lr or check the rewards (train/nonfinite_grad_skipped in TensorBoard)")
+    _console_warning(bar, f"warning: step {step}: {skipped} optimizer step(s) skipped for a non-finite gradient "
+                          f"({total} in this run); the weights were left as they were. If this repeats, lower "
+                          "starpo.actor_lr / critic_lr or check the rewards (train/nonfinite_grad_skipped in "
+                          "TensorBoard)")
+
+
+def _console_warning(bar, msg: str) -> None:
+    """Print ``msg`` above the progress bar (when there is one) rather than through it."""
     if bar is not None:
         bar.write(msg)
     else:

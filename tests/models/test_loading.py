@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 
 from ragen_jax.models import ModelConfig
-from ragen_jax.models.loading import (WEIGHT_TABLE, from_hf_state_dict, load_gguf, load_hf, load_model,
+from ragen_jax.models.loading import (WEIGHT_TABLE, ModelFileError, from_hf_state_dict, load_gguf, load_hf, load_model,
                                       unpermute_qk)
 from tests.models import torch_reference as ref
 
@@ -229,3 +229,32 @@ def test_tokenizer_from_gguf_metadata(bpe, tmp_path):
     ref.write_llama_gguf(torch_model, tmp_path / "bare.gguf", tokenizer=(vocab, merges, bos, eos))
     with pytest.raises(ValueError, match="no chat template"):
         load_tokenizer(tmp_path / "bare.gguf")
+
+
+@pytest.mark.parametrize("keep", [4, 40, "header", "half"])
+def test_truncated_safetensors_names_the_file(qwen2_dir, tmp_path, keep):
+    _, src = qwen2_dir
+    data = (src / "model.safetensors").read_bytes()
+    (n,) = np.frombuffer(data[:8], dtype="<u8")
+    cut = {"header": 8 + int(n), "half": 8 + int(n) + (len(data) - 8 - int(n)) // 2}.get(keep, keep)
+    (tmp_path / "model.safetensors").write_bytes(data[:cut])
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ModelFileError) as e:
+        load_hf(tmp_path)
+    assert str(tmp_path / "model.safetensors") in str(e.value) and "truncated" in str(e.value)
+
+
+def test_truncated_gguf_and_broken_config_json_name_the_file(qwen2_dir, tmp_path):
+    ref.write_llama_gguf(ref.tiny_qwen2(seed=7), tmp_path / "full.gguf")
+    data = (tmp_path / "full.gguf").read_bytes()
+    for cut in (10, len(data) // 2):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelFileError) as e:
+            load_gguf(tmp_path / "cut.gguf")
+        assert str(tmp_path / "cut.gguf") in str(e.value) and "truncated" in str(e.value)
+    _, src = qwen2_dir
+    broken = tmp_path / "dir"
+    broken.mkdir()
+    (broken / "config.json").write_text((src / "config.json").read_text()[:40])
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_hf(broken)

@@ -91,3 +91,37 @@ def test_host_env_rollout_matches_python_loop():
         assert int(traj.num_turns[b]) == len(rewards)
         assert bool(traj.success[b]) == success
         assert int(traj.num_actions[b]) == n_act
+
+
+class BrokenReward(Corridor):
+    """A Corridor whose second step returns NaN (a bug users make: 0/0 in a reward formula)."""
+
+    def reset(self, seed: int) -> str:
+        self.n = 0
+        return super().reset(seed)
+
+    def step(self, action: str):
+        text, reward, done, info = super().step(action)
+        self.n += 1
+        return text, (float("nan") if self.n == 2 else reward), done, info
+
+
+def test_non_finite_host_reward_is_an_error_naming_env_and_step():
+    import pytest
+
+    tok = make_tokenizer("qwen")
+    cfg = RolloutConfig(num_groups=1, group_size=2, max_turns=3, max_actions_per_turn=1, max_actions_per_traj=3,
+                        max_new_tokens=32, max_seq_len=1024)
+    env = HostEnv(BrokenReward, tok, action_names=("Forward", "Back"), batch_size=cfg.batch_size,
+                  max_obs_tokens=64, instruction=INSTRUCTION)
+    graphdef, weights = tiny_model(tok)
+    ro = make_rollout(graphdef, env, env.default_params(), tok, cfg)
+    ids = tok("back</think><answer>Back</answer>", add_special_tokens=False)["input_ids"]  # never exits
+    toks = np.zeros((cfg.batch_size, cfg.max_turns, cfg.max_new_tokens), np.int32)
+    toks[:, :, : len(ids)] = ids
+    lens = np.full((cfg.batch_size, cfg.max_turns), len(ids), np.int32)
+    from ragen_jax.rollout.agent import ForcedReplies
+
+    with pytest.raises(Exception, match=r"HostEnv BrokenReward returned a non-finite reward nan at step 2 of row 0"):
+        jax.block_until_ready(ro(weights, jax.random.key(0), ForcedReplies(tokens=jnp.asarray(toks),
+                                                                           lengths=jnp.asarray(lens))))

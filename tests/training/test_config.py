@@ -119,3 +119,73 @@ def test_base_config_sections():
 def test_cli_requires_a_config_file():
     p = _launch()
     assert p.returncode == 2 and "--config is required" in p.stderr
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    # Typos inside a config file (not only on the command line) are errors with the close match.
+    (lambda c: setattr(c.trainer, "total_step", 3), ["trainer.total_step", "did you mean trainer.total_steps"]),
+    (lambda c: setattr(c.eval, "num_episode", 4), ["eval.num_episode", "did you mean eval.num_episodes"]),
+    (lambda c: setattr(c.warmup, "stpes", 4), ["warmup.stpes", "did you mean warmup.steps"]),
+    (lambda c: setattr(c.model, "presets", "tiny"), ["model.presets", "did you mean model.preset"]),
+    (lambda c: setattr(c.model.tiny, "hidden", 32), ["model.tiny.hidden", "hidden_size"]),
+    (lambda c: setattr(c, "sed", 3), ["sed", "did you mean", "seed"]),
+    # Values that used to change training silently.
+    (lambda c: setattr(c.rollout, "temperature", 0.0), ["rollout.temperature=0.0", "greedy", "eval.temperature=0"]),
+    (lambda c: setattr(c.rollout, "temperature", -0.5), ["rollout.temperature", "greedy"]),
+    (lambda c: setattr(c.rollout, "top_p", 1.5), ["top_p=1.5", "(0, 1]"]),
+    (lambda c: setattr(c.rollout, "top_p", 0.0), ["top_p=0.0", "(0, 1]"]),
+    (lambda c: setattr(c.starpo, "micro_batch_size", 5), ["micro_batch_size=5", "mini-batch of 16", "[1, 2, 4, 8, 16]"]),
+    (lambda c: setattr(c.starpo, "num_mini_batches", 3), ["mini_batch_size=16 and starpo.num_mini_batches=3"]),
+    (lambda c: setattr(c.trainer, "save_every", 0), ["trainer.save_every=0"]),
+    (lambda c: setattr(c.trainer, "time_limit_minutes", -1.0), ["trainer.time_limit_minutes"]),
+    (lambda c: setattr(c.warmup, "action_noise", 1.5), ["warmup.action_noise"]),
+    (lambda c: setattr(c.eval, "pass_k", 0), ["eval.pass_k"]),
+])
+def test_config_file_mistakes_fail_at_start_up(mutate, expected):
+    cfg = frozen_lake.get_config()
+    with cfg.unlocked():
+        mutate(cfg)
+    with pytest.raises(ConfigError) as e:
+        _resolve(cfg)
+    for fragment in expected:
+        assert fragment in str(e.value), (fragment, str(e.value))
+
+
+def test_num_mini_batches_on_the_command_line_replaces_the_files_mini_batch_size():
+    from ragen_jax.launch import apply_exclusive_overrides
+
+    cfg = frozen_lake.get_config()
+    cfg.starpo.num_mini_batches = 4
+    notes = apply_exclusive_overrides(cfg, ["launch", "--config.starpo.num_mini_batches=4"])
+    assert notes == ["--config.starpo.num_mini_batches replaces starpo.mini_batch_size=16 of the config file"]
+    spec = _resolve(cfg)
+    assert spec.starpo.mini_batch_layout(spec.rollout.batch_size) == (4, 8)
+    # Both named on the command line: still the one clear conflict.
+    cfg = frozen_lake.get_config()
+    cfg.starpo.num_mini_batches = 4
+    assert apply_exclusive_overrides(cfg, ["launch", "--config.starpo.num_mini_batches=4",
+                                           "--config.starpo.mini_batch_size=8"]) == []
+    with pytest.raises(ConfigError, match="both set"):
+        _resolve(cfg)
+
+
+def test_cli_missing_and_broken_config_files(tmp_path):
+    p = _launch("--config", "configs/frozen_lakes.py")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "config file 'configs/frozen_lakes.py' does not exist" in p.stderr and "frozen_lake.py" in p.stderr
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(:\n    pass\n")
+    p = _launch("--config", str(broken))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "could not be loaded (line 1" in p.stderr and "SyntaxError" in p.stderr
+    broken.write_text("from configs import base\n\ndef get_config():\n    c = base.get_config()\n    return c.nope\n")
+    p = _launch("--config", str(broken))
+    assert p.returncode == 2 and "line 5: return c.nope" in p.stderr, p.stderr
+
+
+def test_cli_workdir_that_is_a_file(tmp_path):
+    f = tmp_path / "notadir"
+    f.write_text("x")
+    p = _launch("--config", "configs/frozen_lake.py", f"--config.workdir={f}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "exists and is not a directory" in p.stderr

@@ -176,3 +176,30 @@ def test_whole_conversation_context_trains_and_scores_turns_as_sampled(tmp_path)
     assert len(diffs) == 2 and max(diffs) < 1e-3, diffs
     for key in ("actor/pg_loss", "actor/grad_norm", "collapse_trajectory_sample/mi_estimate"):
         assert all(math.isfinite(v) for _, v in events[key]), key
+
+
+def test_nonfinite_gradients_are_reported_on_the_console(capsys):
+    from ragen_jax.training.trainer import _warn_nonfinite
+
+    _warn_nonfinite(7, {"train/nonfinite_grad_skipped": 0.0, "train/nonfinite_grad_skipped_total": 0.0}, None)
+    assert capsys.readouterr().out == ""
+    _warn_nonfinite(8, {"train/nonfinite_grad_skipped": 2.0, "train/nonfinite_grad_skipped_total": 5.0}, None)
+    out = capsys.readouterr().out
+    assert "step 8: 2 optimizer step(s) skipped for a non-finite gradient (5 in this run)" in out
+
+
+def test_max_seq_len_that_cuts_episodes_is_logged_and_warned(tmp_path, capsys):
+    """A transcript budget just above one turn: every episode still running after turn 1 is cut
+    (an untrained model solves none in one turn), logged as train/truncated = 1 and warned once."""
+    from ragen_jax.training.trainer import train
+
+    spec = small_config(tmp_path, total_steps=2, **{"rollout.max_seq_len": 320, "trainer.eval_every": 0,
+                                                    "trainer.eval_before_train": False, "warmup.steps": 0,
+                                                    "warmup.single_turn_steps": 0})
+    train(spec)
+    out = capsys.readouterr().out
+    assert out.count("of the episodes were cut short") == 1, out
+    assert "rollout.max_seq_len=320" in out
+    events = read_events(tmp_path / "tensorboard")
+    assert [v for _, v in events["train/truncated"]] == [1.0, 1.0]
+    assert all(v == 1.0 for _, v in events["train/num_turns"])
