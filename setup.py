@@ -33,7 +33,12 @@ setup(
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; pinned to the CPU wheel.
-        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
+                 "gymnax>=1.0.1"],
+        # Our environments as gymnax environments (environments.gymnax_adapter).
+        "gymnax": ["gymnax>=1.0.1"],
+        # TensorBoard itself, to view the event files every run writes (tensorboardX writes them).
+        "viewer": ["tensorboard>=2.16"],
         # Peers measured in the same invocation by benchmarks/.
         "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six"],
     },
