@@ -425,6 +425,43 @@ def classify_regime(
 # Everything for one batch
 
 
+def sample_cross_matrix(
+    logprob_fn: LogProbFn, traj: Trajectory, sample: PairSample, cfg, cross_fn=None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(ℓ_sum, ℓ_mean) float32 [S, N]`` of ``sample``'s pairs and the reasoning lengths ``z_len [S]``."""
+    max_z = cfg.max_reasoning_tokens or traj.seq_len
+    x_len = traj.prompt_end[sample.x_rows, sample.x_turns]
+    z_start = traj.reasoning_start[sample.z_rows, sample.z_turns]
+    z_len = traj.reasoning_end[sample.z_rows, sample.z_turns] - z_start
+    z_len = jnp.where(sample.z_valid, z_len, 0)
+    if cross_fn is None:
+        cross_fn = functools.partial(cross_logprob_matrix, logprob_fn)
+    l_sum, l_mean = cross_fn(traj.tokens, sample.x_rows, x_len, sample.z_rows, z_start, z_len,
+                             max_reasoning_tokens=max_z, chunk_size=cfg.micro_batch_size)
+    return l_sum, l_mean, z_len
+
+
+def mi_by_sample(l_mean: jax.Array, sample: PairSample) -> jax.Array:
+    """float32 [S]: each reasoning's own-prompt log-prob minus the uniform prompt mixture's (per token).
+
+    ``mi_estimate`` is the mean of these over the valid rows; a row near 0 is a reasoning its own
+    input explains no better than any other input — what template collapse looks like, one sample
+    at a time (the diagnose notebook lists the lowest). Invalid rows are 0.
+    """
+    rows = jnp.arange(l_mean.shape[0])
+    gap = l_mean[rows, sample.true_col] - _marginal(l_mean, sample.x_valid, jnp.sum(sample.x_valid))
+    return jnp.where(sample.z_valid, gap, 0.0)
+
+
+def first_turn_mi_by_sample(logprob_fn: LogProbFn, traj: Trajectory, key: jax.Array, cfg, *, num_groups: int,
+                            cross_fn=None) -> tuple[PairSample, jax.Array]:
+    """The first-turn pair sample of ``collapse_metrics`` and ``mi_by_sample`` of it: which episode's
+    first reasoning (``sample.z_rows``) carries how much information about its board."""
+    sample = sample_first_turn(key, traj, cfg.num_samples, num_groups)
+    _, l_mean, _ = sample_cross_matrix(logprob_fn, traj, sample, cfg, cross_fn)
+    return sample, mi_by_sample(l_mean, sample)
+
+
 def _diagnose_sample(
     logprob_fn: LogProbFn,
     traj: Trajectory,
@@ -433,25 +470,8 @@ def _diagnose_sample(
     cfg,
     cross_fn=None,
 ) -> tuple[dict[str, jax.Array], MIState]:
-    tokens = traj.tokens
-    seq_len = traj.seq_len
-    max_z = cfg.max_reasoning_tokens or seq_len
-    x_len = traj.prompt_end[sample.x_rows, sample.x_turns]
-    z_start = traj.reasoning_start[sample.z_rows, sample.z_turns]
-    z_len = traj.reasoning_end[sample.z_rows, sample.z_turns] - z_start
-    z_len = jnp.where(sample.z_valid, z_len, 0)
-    if cross_fn is None:
-        cross_fn = functools.partial(cross_logprob_matrix, logprob_fn)
-    l_sum, l_mean = cross_fn(
-        tokens,
-        sample.x_rows,
-        x_len,
-        sample.z_rows,
-        z_start,
-        z_len,
-        max_reasoning_tokens=max_z,
-        chunk_size=cfg.micro_batch_size,
-    )
+    max_z = cfg.max_reasoning_tokens or traj.seq_len
+    l_sum, l_mean, z_len = sample_cross_matrix(logprob_fn, traj, sample, cfg, cross_fn)
     equiv = column_equivalence(traj, sample)
     metrics, state = mi_estimates(
         l_sum,

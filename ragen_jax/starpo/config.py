@@ -22,8 +22,8 @@ def check_keys(section: str, values: Mapping[str, Any], allowed) -> None:
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
-            raise ValueError(f"unknown key {section}.{key}{hint}; allowed: {', '.join(allowed)}")
+            hint = f"; did you mean {section}.{close[0]}?" if close else ""
+            raise ValueError(f"unknown key {section}.{key}; allowed: {', '.join(allowed)}{hint}")
 
 
 def section_from_dict(cls, section: str, values: Any):

@@ -441,3 +441,34 @@ def test_prefix_cached_scorer_matches_whole_sequence_scoring_on_a_decoder():
     assert np.ptp(np.asarray(whole[0]), axis=1).min() > 0  # prompts change the scores
     np.testing.assert_allclose(np.asarray(cached[0]), np.asarray(whole[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(cached[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mi_by_sample_matches_numpy_and_averages_to_the_estimate(seed):
+    """Per reasoning: own-prompt log-prob minus log of the uniform mixture over valid prompts."""
+    l_mean, l_sum, z_valid, x_valid, true_col, equiv = _random_case(seed)
+    sample = collapse.PairSample(
+        z_rows=jnp.arange(len(z_valid), dtype=jnp.int32), z_turns=jnp.zeros(len(z_valid), jnp.int32),
+        z_valid=jnp.asarray(z_valid), true_col=jnp.asarray(true_col, jnp.int32),
+        x_rows=jnp.arange(len(x_valid), dtype=jnp.int32), x_turns=jnp.zeros(len(x_valid), jnp.int32),
+        x_valid=jnp.asarray(x_valid), consistent=jnp.asarray(True))
+    got = np.asarray(collapse.mi_by_sample(jnp.asarray(l_mean, jnp.float32), sample))
+    cols = np.flatnonzero(x_valid)
+    for i in range(len(z_valid)):
+        mix = math.log(sum(math.exp(l_mean[i, j]) for j in cols) / len(cols))
+        want = l_mean[i, true_col[i]] - mix if z_valid[i] else 0.0
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    est = np_estimates(l_mean, l_sum, z_valid, x_valid, true_col, equiv)["mi_estimate"]
+    np.testing.assert_allclose(got[z_valid].mean(), est, rtol=1e-5, atol=1e-5)
+
+
+def test_first_turn_mi_by_sample_separates_copying_from_blind_reasoning():
+    traj = make_batch(num_groups=4, group_size=4, turns=3)
+    c = cfg()
+    for copies, low, high in ((True, 0.97 * math.log(4), math.log(4) + 1e-5), (False, -1e-5, 1e-5)):
+        def planted(tokens, copies=copies):
+            return jnp.where(copies, copy_logprob_fn(tokens), ignore_logprob_fn(tokens))
+
+        sample, gap = collapse.first_turn_mi_by_sample(planted, traj, jax.random.key(0), c, num_groups=4)
+        gap = np.asarray(gap)[np.asarray(sample.z_valid)]
+        assert len(gap) == 16 and np.all(gap > low) and np.all(gap < high), (copies, gap)
