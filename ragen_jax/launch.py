@@ -17,8 +17,12 @@ import difflib
 import os
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+# transformers serves tokenizers and chat templates here; its advice that "models won't be
+# available" without PyTorch is about its own models, not ours.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
