@@ -142,177 +142,249 @@ def _drop_uncomputed(metrics: dict) -> dict:
             if not k.startswith(("collapse_first_turn_sample/", "collapse_trajectory_sample/"))}
 
 
+@dataclasses.dataclass
+class HostState:
+    """What the loop keeps on the host between steps; saved as every checkpoint's ``meta``, so a
+    resumed run continues its early-stop counters, curves and summary exactly."""
+
+    early: EarlyStop
+    history: dict[str, Any]  # train / val success per step, (step, MI, H(Z|X)) points, warm-up mark
+    summary: dict[str, float]
+
+    @classmethod
+    def fresh(cls, spec: RunSpec) -> "HostState":
+        t = spec.config.trainer
+        early = EarlyStop(baseline_steps=t.reward_collapse_baseline_steps, window=t.reward_collapse_window,
+                          ratio=t.reward_collapse_ratio, mi_ratio=t.mi_collapse_ratio,
+                          mi_window=t.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps)
+        history = {"train": [], "val": [], "quadrant": [], "warmup_val": None,
+                   "title": f"{spec.env_name} / {spec.preset}"}
+        return cls(early, history, {})
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "HostState":
+        return cls(EarlyStop.from_state_dict(meta["early_stop"]), meta["history"], meta.get("summary", {}))
+
+    def meta(self, step: int) -> dict:
+        return {"step": step, "early_stop": self.early.state_dict(), "history": self.history,
+                "summary": self.summary}
+
+
 def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Run (or resume) training as configured; returns the final summary metrics.
 
     ``step_callback(step, metrics)`` runs after each step; raising ``StopTraining`` from it saves a
     checkpoint of that step and ends the run (tests use it to interrupt and resume).
     """
-    from ragen_jax.training.evaluate import Evaluator
-    from ragen_jax.training.warmup import run_warmup
+    from ragen_jax.training.workdir import prepare_training_workdir, trim_records
 
-    from ragen_jax.training.workdir import explain_mismatch, prepare_training_workdir, trim_records
-
-    cfg = spec.config
-    t_cfg = cfg.trainer
+    cfg, t = spec.config, spec.config.trainer
     workdir = Path(cfg.workdir)
     resume, notes = prepare_training_workdir(cfg)  # refuses to mix runs; writes config.json
     for note in notes:
         print(f"note: {note}")
-    t_start, cpu_start = time.time(), time.process_time()
-
+    clock = (time.time(), time.process_time())
     run = setup(spec)
-    tokenizer, rollout, update, train_state = run.tokenizer, run.rollout, run.update, run.train_state
-    group_size = spec.rollout.group_size
-    evaluator = None
-    if t_cfg.eval_every or t_cfg.eval_before_train:
-        evaluator = Evaluator(run.graphdefs.policy, run.env, run.env_params, tokenizer, spec.rollout, cfg.eval,
-                              chunk_rows=spec.rollout.batch_size)
-
+    evaluator = _make_evaluator(spec, run)
     logger = Logger(workdir / "tensorboard")
-    ckpt = Checkpointer(workdir / "checkpoints", keep=t_cfg.keep_checkpoints)
-    early = EarlyStop(baseline_steps=t_cfg.reward_collapse_baseline_steps, window=t_cfg.reward_collapse_window,
-                      ratio=t_cfg.reward_collapse_ratio, mi_ratio=t_cfg.mi_collapse_ratio,
-                      mi_window=t_cfg.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps)
-    history: dict[str, Any] = {"train": [], "val": [], "quadrant": [], "warmup_val": None,
-                               "title": f"{spec.env_name} / {spec.preset}"}
-    start_step = 0
-    summary: dict[str, float] = {}
-
-    def host_state(step: int) -> dict:
-        return {"step": step, "early_stop": early.state_dict(), "history": history, "summary": summary}
-
+    ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints)
     transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None
+
     if resume:
-        try:
-            train_state, meta, start_step, skipped = ckpt.restore_latest_intact(train_state)
-        except CheckpointMismatch as e:
-            raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
-        for bad, reason in skipped:
-            print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
-                  f"(moved to {ckpt.directory}.damaged/): {reason}")
-        train_state = _own_buffers(train_state)
-        early = EarlyStop.from_state_dict(meta["early_stop"])
-        history = meta["history"]
-        summary = meta.get("summary", {})
-        print(f"resumed from {ckpt.directory}/{start_step}")
+        train_state, host, start_step = _resume(spec, run.train_state, ckpt)
+    else:
+        train_state, host, start_step = run.train_state, HostState.fresh(spec), 0
     if transcripts is not None:  # records of steps after the checkpoint are written again, once
         trim_records(transcripts, start_step if resume else -1)
     if not resume:
-        # Warm-up (behaviour cloning), then the "after warm-up" validation on the fixed puzzles.
-        if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
-            wparams, wsum = run_warmup(rollout, _policy_params(train_state), cfg.warmup,
-                                       log_fn=logger.scalars, progress=t_cfg.progress_bar)
-            train_state = train_state.replace(params=wparams)
-            if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
-                train_state = train_state.replace(ref_params=jax.tree.map(jnp.copy, wparams))
-            logger.scalars(0, wsum)
-            summary.update(wsum)
-        if evaluator is not None and t_cfg.eval_before_train:
-            vm = evaluator(_policy_params(train_state), 0, transcripts)
-            logger.scalars(0, vm)
-            history["val"].append([0, vm["val/success"]])
-            history["warmup_val"] = vm["val/success"]
-            summary["val/success_before_rl"] = vm["val/success"]
-        ckpt.save(0, train_state, host_state(0))
+        train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
+        ckpt.save(0, train_state, host.meta(0))
 
+    steps, bar = _steps(spec, start_step)
     base_key = jax.random.key(cfg.seed)
-    steps = range(start_step + 1, t_cfg.total_steps + 1)
-    bar = None
-    if t_cfg.progress_bar:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(steps, desc=f"StarPO {spec.env_name}", initial=start_step, total=t_cfg.total_steps)
-        steps = bar
-    stop_reason = None
-    step = start_step
+    step, stop_reason = start_step, None
     for step in steps:
-        t0 = time.time()
-        traj = rollout(_policy_params(train_state), jax.random.fold_in(base_key, step))
-        rm = jax.device_get(rollout_metrics(traj, group_size))
-        t1 = time.time()
-        train_state, um = update(train_state, traj)
-        um = _drop_uncomputed(to_host_scalars(jax.device_get(um)))
-        t2 = time.time()
-        _warn_nonfinite(step, um, bar)
-        if rm["truncated"] > 0 and not summary.get("train/truncated_first_step"):
-            summary["train/truncated_first_step"] = float(step)
-            _console_warning(bar, f"warning: step {step}: {rm['truncated']:.0%} of the episodes were cut short: "
-                                  f"their next turn would not fit rollout.max_seq_len={spec.rollout.max_seq_len} "
-                                  "(system prompt + every turn so far + one more user block and reply). Raise "
-                                  "rollout.max_seq_len; train/truncated in TensorBoard tracks the fraction")
-        metrics = {f"train/{k}": float(v) for k, v in rm.items()}
-        metrics.update(um)
-        metrics["timing_s/rollout"] = t1 - t0
-        metrics["timing_s/update"] = t2 - t1
-        metrics["timing_s/step"] = t2 - t0
-        metrics["timing_s/tokens_per_s"] = float(rm["sampled_tokens"]) / max(t1 - t0, 1e-9)
-
-        mi, ce, computed = _mi_values(um)
-        empty = bool(um.get("rollout/empty_after_filter", 0.0))
-        metrics.update(early.update(empty=empty, reward_std=float(rm["in_group_reward_std"]),
-                                    episode_return=float(rm["return"]), mi=mi))
-        history["train"].append([step, float(rm["success"])])
-        if computed and ce is not None:
-            history["quadrant"].append([step, float(mi), float(ce)])
-
-        if step % t_cfg.log_every == 0:
-            logger.scalars(step, metrics)
-        if computed and history["quadrant"]:
-            q = np.asarray(history["quadrant"])
-            nb = max(1, min(len(q), spec.collapse.baseline_steps))
-            logger.image(step, "collapse/quadrant", quadrant_figure(q, (q[:nb, 1].mean(), q[:nb, 2].mean())))
-        if t_cfg.transcript_every and step % t_cfg.transcript_every == 0:
-            row = traj.tokens[0][traj.valid_mask[0]]
-            from ragen_jax.rollout import codec as codec_lib
-
-            logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, np.asarray(row)))
-
-        # Out of time: this step is the last, and it gets the final validation.
-        out_of_time = bool(t_cfg.time_limit_minutes) and time.time() - t_start >= 60.0 * t_cfg.time_limit_minutes
-        if out_of_time:
-            stop_reason = f"time limit of {t_cfg.time_limit_minutes:g} min reached"
-        if evaluator is not None and t_cfg.eval_every and (step % t_cfg.eval_every == 0 or step == t_cfg.total_steps
-                                                           or out_of_time):
-            vm = evaluator(_policy_params(train_state), step, transcripts)
-            logger.scalars(step, vm)
-            metrics.update(vm)
-            history["val"].append([step, vm["val/success"]])
-            if t_cfg.stop_on_success and vm["val/success"] >= t_cfg.stop_on_success:
-                stop_reason = f"validation success {vm['val/success']:.3f} >= {t_cfg.stop_on_success}"
-
-        if t_cfg.stop_on_empty_filter and early.consecutive_empty >= spec.filter.empty_stop_steps:
-            stop_reason = f"{early.consecutive_empty} consecutive empty batches after the SNR filter"
-        if t_cfg.stop_on_reward_collapse and metrics["early_stop/reward_variance_collapse"]:
-            stop_reason = "reward-variance collapse"
-        if t_cfg.stop_on_mi_collapse and metrics["early_stop/mi_collapse"]:
-            stop_reason = "MI collapse (MI below baseline while reward plateaus)"
-
-        summary.update({k: metrics[k] for k in ("train/success", "train/return") if k in metrics})
+        train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
+                                                 spec.rollout.group_size)
+        _warn_about_step(spec, step, metrics, host.summary, bar)
+        _track(spec, host, step, metrics)
+        _log_step(spec, logger, step, metrics, traj, host, run.tokenizer)
+        out_of_time = bool(t.time_limit_minutes) and time.time() - clock[0] >= 60.0 * t.time_limit_minutes
+        if out_of_time:  # this step is the last, and it gets the final validation
+            stop_reason = f"time limit of {t.time_limit_minutes:g} min reached"
+        if evaluator is not None and t.eval_every and (step % t.eval_every == 0 or step == t.total_steps
+                                                       or out_of_time):
+            stop_reason = _validate(spec, evaluator, train_state, step, host, logger, metrics,
+                                    transcripts) or stop_reason
+        stop_reason = _early_stop_reason(spec, host, metrics) or stop_reason
+        host.summary.update({k: metrics[k] for k in ("train/success", "train/return") if k in metrics})
         if step_callback is not None:
             try:
                 step_callback(step, metrics)
             except StopTraining:
                 stop_reason = "interrupted by callback"
         # A stopped run always saves its last step, so a resume continues exactly where it ended.
-        if step % t_cfg.save_every == 0 or step == t_cfg.total_steps or stop_reason:
-            ckpt.save(step, train_state, host_state(step))
+        if step % t.save_every == 0 or step == t.total_steps or stop_reason:
+            ckpt.save(step, train_state, host.meta(step))
         if bar is not None:
-            bar.set_postfix(success=f"{rm['success']:.2f}", reward=f"{rm['return']:.2f}",
-                            MI="-" if mi is None else f"{mi:.3f}",
-                            tok_s=f"{metrics['timing_s/tokens_per_s']:.0f}")
+            bar.set_postfix(_progress_fields(metrics))
         if stop_reason:
             break
     if bar is not None:
         bar.close()
-    logger.flush()
     logger.close()
     ckpt.close()
+    return _finish(spec, host, step, stop_reason, clock)
 
+
+def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int):
+    """One StarPO iteration: rollout with the current policy, then the compiled update.
+
+    Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
+    the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
+    """
+    t0 = time.time()
+    traj = run.rollout(_policy_params(train_state), key)
+    rollout_stats = jax.device_get(rollout_metrics(traj, group_size))
+    t1 = time.time()
+    train_state, update_metrics = run.update(train_state, traj)
+    update_metrics = _drop_uncomputed(to_host_scalars(jax.device_get(update_metrics)))
+    t2 = time.time()
+    metrics = {f"train/{k}": float(v) for k, v in rollout_stats.items()}
+    metrics.update(update_metrics)
+    metrics["timing_s/rollout"] = t1 - t0
+    metrics["timing_s/update"] = t2 - t1
+    metrics["timing_s/step"] = t2 - t0
+    metrics["timing_s/tokens_per_s"] = float(rollout_stats["sampled_tokens"]) / max(t1 - t0, 1e-9)
+    return train_state, traj, metrics
+
+
+def _make_evaluator(spec: RunSpec, run: Setup):
+    from ragen_jax.training.evaluate import Evaluator
+
+    t = spec.config.trainer
+    if not (t.eval_every or t.eval_before_train):
+        return None
+    return Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.config.eval,
+                     chunk_rows=spec.rollout.batch_size)
+
+
+def _resume(spec: RunSpec, like, ckpt: Checkpointer):
+    """``(train_state, host, step)`` from the newest intact checkpoint (damaged ones are skipped)."""
+    from ragen_jax.training.workdir import explain_mismatch
+
+    try:
+        train_state, meta, step, skipped = ckpt.restore_latest_intact(like)
+    except CheckpointMismatch as e:
+        raise CheckpointMismatch(f"{e}. {explain_mismatch(spec.config)}") from None
+    for bad, reason in skipped:
+        print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
+              f"(moved to {ckpt.directory}.damaged/): {reason}")
+    print(f"resumed from {ckpt.directory}/{step}")
+    return _own_buffers(train_state), HostState.from_meta(meta), step
+
+
+def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostState, evaluator, logger, transcripts):
+    """A new run: behaviour cloning (when configured), then the "after warm-up" validation at step 0."""
+    from ragen_jax.training.warmup import run_warmup
+
+    cfg = spec.config
+    if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
+        params, warm_summary = run_warmup(run.rollout, _policy_params(train_state), cfg.warmup,
+                                          log_fn=logger.scalars, progress=cfg.trainer.progress_bar)
+        train_state = train_state.replace(params=params)
+        if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
+            train_state = train_state.replace(ref_params=jax.tree.map(jnp.copy, params))
+        logger.scalars(0, warm_summary)
+        host.summary.update(warm_summary)
+    if evaluator is not None and cfg.trainer.eval_before_train:
+        val = evaluator(_policy_params(train_state), 0, transcripts)
+        logger.scalars(0, val)
+        host.history["val"].append([0, val["val/success"]])
+        host.history["warmup_val"] = val["val/success"]
+        host.summary["val/success_before_rl"] = val["val/success"]
+    return train_state
+
+
+def _steps(spec: RunSpec, start_step: int):
+    """The StarPO steps still to run, and the progress bar over them (None when switched off)."""
+    t = spec.config.trainer
+    steps = range(start_step + 1, t.total_steps + 1)
+    if not t.progress_bar:
+        return steps, None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(steps, desc=f"StarPO {spec.env_name}", initial=start_step, total=t.total_steps)
+    return bar, bar
+
+
+def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
+    """Advance the early-stop signals (their ``early_stop/*`` values join ``metrics``) and the curves."""
+    mi, ce, computed = _mi_values(metrics)
+    metrics.update(host.early.update(empty=bool(metrics.get("rollout/empty_after_filter", 0.0)),
+                                     reward_std=metrics["train/in_group_reward_std"],
+                                     episode_return=metrics["train/return"], mi=mi))
+    host.history["train"].append([step, metrics["train/success"]])
+    if computed and ce is not None:
+        host.history["quadrant"].append([step, float(mi), float(ce)])
+
+
+def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, host: HostState, tokenizer) -> None:
+    """TensorBoard: the step's scalars, the MI quadrant when it moved, a sample transcript."""
+    t = spec.config.trainer
+    if step % t.log_every == 0:
+        logger.scalars(step, metrics)
+    if _mi_values(metrics)[2] and host.history["quadrant"]:
+        q = np.asarray(host.history["quadrant"])
+        nb = max(1, min(len(q), spec.collapse.baseline_steps))
+        logger.image(step, "collapse/quadrant", quadrant_figure(q, (q[:nb, 1].mean(), q[:nb, 2].mean())))
+    if t.transcript_every and step % t.transcript_every == 0:
+        from ragen_jax.rollout import codec as codec_lib
+
+        row = traj.tokens[0][traj.valid_mask[0]]
+        logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, np.asarray(row)))
+
+
+def _validate(spec: RunSpec, evaluator, train_state, step: int, host: HostState, logger: Logger, metrics: dict,
+              transcripts) -> str | None:
+    """Validation on the fixed puzzles; returns a stop reason when ``trainer.stop_on_success`` is met."""
+    threshold = spec.config.trainer.stop_on_success
+    val = evaluator(_policy_params(train_state), step, transcripts)
+    logger.scalars(step, val)
+    metrics.update(val)
+    host.history["val"].append([step, val["val/success"]])
+    if threshold and val["val/success"] >= threshold:
+        return f"validation success {val['val/success']:.3f} >= {threshold}"
+    return None
+
+
+def _early_stop_reason(spec: RunSpec, host: HostState, metrics: dict) -> str | None:
+    """The last of the switched-on early-stop signals that fired this step (None when none did)."""
+    t = spec.config.trainer
+    reason = None
+    if t.stop_on_empty_filter and host.early.consecutive_empty >= spec.filter.empty_stop_steps:
+        reason = f"{host.early.consecutive_empty} consecutive empty batches after the SNR filter"
+    if t.stop_on_reward_collapse and metrics["early_stop/reward_variance_collapse"]:
+        reason = "reward-variance collapse"
+    if t.stop_on_mi_collapse and metrics["early_stop/mi_collapse"]:
+        reason = "MI collapse (MI below baseline while reward plateaus)"
+    return reason
+
+
+def _progress_fields(metrics: dict) -> dict[str, str]:
+    mi = _mi_values(metrics)[0]
+    return {"success": f"{metrics['train/success']:.2f}", "reward": f"{metrics['train/return']:.2f}",
+            "MI": "-" if mi is None else f"{mi:.3f}", "tok_s": f"{metrics['timing_s/tokens_per_s']:.0f}"}
+
+
+def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, clock) -> dict[str, Any]:
+    """Summary (also ``summary.json``), the learning curve image and the console report."""
+    workdir = Path(spec.config.workdir)
+    summary, history = host.summary, host.history
     summary["steps"] = float(step)
-    summary["seconds"] = time.time() - t_start
+    summary["seconds"] = time.time() - clock[0]
     # CPU time of this process (all threads): on a shared machine, wall time alone misleads.
-    summary["cpu_seconds"] = time.process_time() - cpu_start
+    summary["cpu_seconds"] = time.process_time() - clock[1]
     if history["val"]:
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
@@ -323,16 +395,22 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     return {"summary": summary, "stop_reason": stop_reason, "history": history}
 
 
-def _warn_nonfinite(step: int, metrics: dict, bar) -> None:
-    """Say so on the console when the update skipped optimizer steps for a non-finite gradient."""
+def _warn_about_step(spec: RunSpec, step: int, metrics: dict, summary: dict, bar) -> None:
+    """Console warnings for what the metrics only show: skipped updates, truncated episodes."""
     skipped = int(metrics.get("train/nonfinite_grad_skipped", 0))
-    if not skipped:
-        return
-    total = int(metrics.get("train/nonfinite_grad_skipped_total", skipped))
-    _console_warning(bar, f"warning: step {step}: {skipped} optimizer step(s) skipped for a non-finite gradient "
-                          f"({total} in this run); the weights were left as they were. If this repeats, lower "
-                          "starpo.actor_lr / critic_lr or check the rewards (train/nonfinite_grad_skipped in "
-                          "TensorBoard)")
+    if skipped:
+        total = int(metrics.get("train/nonfinite_grad_skipped_total", skipped))
+        _console_warning(bar, f"warning: step {step}: {skipped} optimizer step(s) skipped for a non-finite "
+                              f"gradient ({total} in this run); the weights were left as they were. If this "
+                              "repeats, lower starpo.actor_lr / critic_lr or check the rewards "
+                              "(train/nonfinite_grad_skipped in TensorBoard)")
+    truncated = metrics.get("train/truncated", 0.0)
+    if truncated > 0 and not summary.get("train/truncated_first_step"):  # once per run
+        summary["train/truncated_first_step"] = float(step)
+        _console_warning(bar, f"warning: step {step}: {truncated:.0%} of the episodes were cut short: their "
+                              f"next turn would not fit rollout.max_seq_len={spec.rollout.max_seq_len} (system "
+                              "prompt + every turn so far + one more user block and reply). Raise "
+                              "rollout.max_seq_len; train/truncated in TensorBoard tracks the fraction")
 
 
 def _console_warning(bar, msg: str) -> None:

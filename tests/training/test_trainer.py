@@ -179,11 +179,14 @@ def test_whole_conversation_context_trains_and_scores_turns_as_sampled(tmp_path)
 
 
 def test_nonfinite_gradients_are_reported_on_the_console(capsys):
-    from ragen_jax.training.trainer import _warn_nonfinite
+    from ragen_jax.training.trainer import _warn_about_step
 
-    _warn_nonfinite(7, {"train/nonfinite_grad_skipped": 0.0, "train/nonfinite_grad_skipped_total": 0.0}, None)
+    spec = small_config("unused", total_steps=1)
+    quiet = {"train/nonfinite_grad_skipped": 0.0, "train/nonfinite_grad_skipped_total": 0.0, "train/truncated": 0.0}
+    _warn_about_step(spec, 7, quiet, {}, None)
     assert capsys.readouterr().out == ""
-    _warn_nonfinite(8, {"train/nonfinite_grad_skipped": 2.0, "train/nonfinite_grad_skipped_total": 5.0}, None)
+    _warn_about_step(spec, 8, {**quiet, "train/nonfinite_grad_skipped": 2.0,
+                               "train/nonfinite_grad_skipped_total": 5.0}, {}, None)
     out = capsys.readouterr().out
     assert "step 8: 2 optimizer step(s) skipped for a non-finite gradient (5 in this run)" in out
 
