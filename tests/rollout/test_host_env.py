@@ -40,14 +40,19 @@ class Corridor:
 INSTRUCTION = "You are in a corridor. Reach the exit. Answer like <answer>Forward</answer>.\n"
 
 
-def test_host_env_rollout_matches_python_loop():
+def _corridor_rollout(env_cls, **rollout_kwargs):
+    """(tokenizer, config, HostEnv of ``env_cls``, its compiled rollout, weights of a tiny model)."""
     tok = make_tokenizer("qwen")
-    cfg = RolloutConfig(num_groups=3, group_size=2, max_turns=4, max_actions_per_turn=2, max_actions_per_traj=5,
-                        max_new_tokens=32, max_seq_len=1024)
-    env = HostEnv(Corridor, tok, action_names=("Forward", "Back"), batch_size=cfg.batch_size,
+    cfg = RolloutConfig(max_new_tokens=32, max_seq_len=1024, **rollout_kwargs)
+    env = HostEnv(env_cls, tok, action_names=("Forward", "Back"), batch_size=cfg.batch_size,
                   max_obs_tokens=64, instruction=INSTRUCTION)
     graphdef, weights = tiny_model(tok)
-    ro = make_rollout(graphdef, env, env.default_params(), tok, cfg)
+    return tok, cfg, env, make_rollout(graphdef, env, env.default_params(), tok, cfg), weights
+
+
+def test_host_env_rollout_matches_python_loop():
+    tok, cfg, env, ro, weights = _corridor_rollout(Corridor, num_groups=3, group_size=2, max_turns=4,
+                                                   max_actions_per_turn=2, max_actions_per_traj=5)
     rng = np.random.default_rng(4)
     forced, replies = scripted_replies(tok, env.action_names, rng, cfg.batch_size, cfg.max_turns,
                                        cfg.max_new_tokens, ro.framing.end_of_turn)
@@ -109,13 +114,8 @@ class BrokenReward(Corridor):
 def test_non_finite_host_reward_is_an_error_naming_env_and_step():
     import pytest
 
-    tok = make_tokenizer("qwen")
-    cfg = RolloutConfig(num_groups=1, group_size=2, max_turns=3, max_actions_per_turn=1, max_actions_per_traj=3,
-                        max_new_tokens=32, max_seq_len=1024)
-    env = HostEnv(BrokenReward, tok, action_names=("Forward", "Back"), batch_size=cfg.batch_size,
-                  max_obs_tokens=64, instruction=INSTRUCTION)
-    graphdef, weights = tiny_model(tok)
-    ro = make_rollout(graphdef, env, env.default_params(), tok, cfg)
+    tok, cfg, env, ro, weights = _corridor_rollout(BrokenReward, num_groups=1, group_size=2, max_turns=3,
+                                                   max_actions_per_turn=1, max_actions_per_traj=3)
     ids = tok("back</think><answer>Back</answer>", add_special_tokens=False)["input_ids"]  # never exits
     toks = np.zeros((cfg.batch_size, cfg.max_turns, cfg.max_new_tokens), np.int32)
     toks[:, :, : len(ids)] = ids
