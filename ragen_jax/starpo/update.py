@@ -24,6 +24,10 @@ Inside that one compiled function, top to bottom (spec §5.1):
      counted;
   7. metrics.
 
+Each stage is a module-level pure function (``score_batch``, ``diagnose_collapse``,
+``filter_groups``, ``estimate_advantages``, ``update_batch`` / ``mini_batches_in_order``,
+``advance_counters``); ``make_update_step``'s ``update`` calls them in this order.
+
 Models are used functionally: ``nnx.split`` outside, ``nnx.merge(graphdef, params, rest)`` inside.
 """
 from __future__ import annotations
@@ -297,6 +301,184 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
     return micro_loss, critic_values
 
 
+# ---------------------------------------------------------------------------------------------------
+# The stages of one update (module-level and pure: each reads its inputs from its arguments)
+
+
+def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: TrainState, traj: Trajectory,
+                rows, micro_size: int, shared_prefix_len: int) -> dict:
+    """Stage 1, no gradient: old log-probs (temperature 1) and entropies, reference log-probs when a
+    KL term needs them, critic values; each float32 ``[B, L]`` on the transcript. On per-turn rows
+    (``rows``) every reply is scored in the window it was sampled in, then written back."""
+    policy_rest, critic_rest, ref_rest = state.rest
+    chunk = cfg.logprob_chunk_size
+
+    def score_rows(chunk_rows):
+        policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
+        logp, entropy, hidden = sequence_logprobs(policy, chunk_rows["tokens"], chunk_size=chunk,
+                                                  shared_prefix_len=shared_prefix_len)
+        out = {"logp": logp, "entropy": entropy}
+        if cfg.uses_reference:
+            ref = nnx.merge(graphdefs.reference, state.ref_params, ref_rest)
+            out["ref_logp"], _, _ = sequence_logprobs(ref, chunk_rows["tokens"], chunk_size=chunk,
+                                                      with_entropy=False, shared_prefix_len=shared_prefix_len)
+        if cfg.critic_mode != "none":
+            out["values"] = critic_values(state.critic_params, critic_rest, chunk_rows["tokens"], hidden)
+        return out
+
+    if rows is None:
+        old = _rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size)
+    else:
+        old = _rows_in_chunks(score_rows, {"tokens": rows.view.tokens}, micro_size * traj.max_turns)
+        old = {k: rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
+    return jax.lax.stop_gradient(old)
+
+
+def sampler_agreement(cfg: StarPOConfig, old: dict, traj: Trajectory, loss_mask: jax.Array) -> dict:
+    """How far the recomputed log-probs are from the sampler's (0 up to float error), and the
+    reference KL: the first metrics of an update."""
+    sampled = loss_mask & traj.valid_mask
+    diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
+    metrics = {"actor/sampler_logprob_abs_diff_mean": adv_lib.masked_mean(diff, sampled),
+               "actor/sampler_logprob_abs_diff_max": jnp.max(jnp.where(sampled, diff, 0.0))}
+    if cfg.uses_reference:
+        metrics["actor/ref_kl"] = adv_lib.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
+    return metrics
+
+
+def diagnose_collapse(graphdefs: Graphdefs, cfg: StarPOConfig, collapse_cfg: CollapseConfig, state: TrainState,
+                      traj: Trajectory, rows, key: jax.Array, num_groups: int):
+    """Stage 2: the MI proxy on the pre-filter batch, scored by the policy before this update
+    (computed on the steps ``collapse.should_compute`` picks). -> ``(metrics, collapse state)``."""
+    policy_rest = state.rest[0]
+    chunk = cfg.logprob_chunk_size
+
+    def policy_logprob_fn(tokens):
+        policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
+        return sequence_logprobs(policy, tokens, chunk_size=chunk, with_entropy=False)[0]
+
+    cross_fn = None
+    if collapse_cfg.prefix_cache:
+        cross_fn = make_prefix_cached_cross_scorer(nnx.merge(graphdefs.policy, state.params, policy_rest),
+                                                   logprob_chunk_size=chunk)
+    return collapse_lib.maybe_collapse_metrics(policy_logprob_fn, traj, state.collapse, key, state.step,
+                                               collapse_cfg, num_groups=num_groups, cross_fn=cross_fn,
+                                               turn_rows=rows)
+
+
+def filter_groups(filter_cfg: FilterConfig, traj: Trajectory, old: dict, loss_mask: jax.Array, group_size: int):
+    """Stage 3: the SNR filter over groups, on the raw episode scores (normalised scores would all
+    have the same spread). -> ``snr_filter`` result: ``row_weights [B]`` (0 = dropped), metrics."""
+    return snr_filter.rollout_filter(
+        group_size=group_size,
+        episode_scores=adv_lib.episode_scores(traj.token_rewards),
+        response_lengths=traj.response_length,
+        row_entropy=snr_filter.row_mean_entropy(old["entropy"], loss_mask),
+        metric=filter_cfg.metric,
+        strategy=filter_cfg.strategy,
+        value=filter_cfg.value,
+        filter_type=filter_cfg.filter_type,
+        include_zero=filter_cfg.include_zero,
+        top_p_mode=filter_cfg.top_p_mode,
+        selection_eps=filter_cfg.eps,
+    )
+
+
+def estimate_advantages(cfg: StarPOConfig, filter_cfg: FilterConfig, traj: Trajectory, old: dict, filt,
+                        loss_mask: jax.Array, train_mask: jax.Array, group_size: int):
+    """Stage 4: episode scores → reward normalisation → (KL in the reward) → advantages and returns.
+
+    -> ``(advantages [B, L], returns [B, L], metrics)``; advantages are scaled by the filter's
+    ``loss_scaling`` of the kept ratio."""
+    metrics = {}
+    kept = filt.row_weights > 0
+    scores = adv_lib.episode_scores(traj.token_rewards)
+    norm_scores = adv_lib.normalize_scores(scores, method=cfg.reward_norm, group_size=group_size,
+                                           grouping=cfg.reward_norm_grouping)
+    if cfg.use_turn_scores:
+        token_rewards = traj.token_rewards.astype(jnp.float32)
+    else:
+        token_rewards = adv_lib.place_at_last_token(norm_scores.astype(jnp.float32), loss_mask)
+    if cfg.kl_in_reward:
+        token_rewards, current_kl = losses.apply_kl_in_reward(
+            token_rewards, old["logp"], old["ref_logp"], loss_mask, beta=cfg.kl_in_reward_coef,
+            estimator=cfg.kl_type)
+        metrics["actor/reward_kl_penalty"] = current_kl
+    values = old.get("values")
+    advantages, returns = adv_lib.compute_advantages(
+        cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
+        gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
+        grpo_length_weight=cfg.length_weighting)
+    advantages = advantages * snr_filter.filter_loss_scale(filter_cfg.loss_scaling, filt.kept_ratio)
+    metrics.update(_masked_stats(advantages, train_mask, "critic/advantages"))
+    metrics.update(_masked_stats(returns, train_mask, "critic/returns"))
+    metrics.update(_masked_stats(norm_scores, kept, "critic/score"))
+    if values is not None:
+        metrics.update(_masked_stats(values, train_mask, "critic/values"))
+    return advantages, returns, metrics
+
+
+def update_batch(cfg: StarPOConfig, traj: Trajectory, train_mask: jax.Array, row_weights: jax.Array, old: dict,
+                 advantages: jax.Array, returns: jax.Array, rows) -> tuple[dict, int]:
+    """Stage 5's input: what the mini-batches are cut from, ``[R, ...]`` per key, and the rows per
+    episode (1 on whole transcripts; ``max_turns`` on per-turn rows, episode-major, where a row
+    trains only its own turn's tokens)."""
+    data = {
+        "tokens": traj.tokens,
+        "loss_mask": train_mask,
+        "row_weights": row_weights,
+        "old_logp": old["logp"],
+        "advantages": advantages,
+    }
+    if cfg.use_kl_loss:
+        data["ref_logp"] = old["ref_logp"]
+    if cfg.critic_mode != "none":
+        data["old_values"] = old.get("values")
+        data["returns"] = returns
+    if rows is None:
+        return data, 1
+    row_w_rows = row_weights[rows.episode]  # [B*T]
+    data = {k: row_w_rows if k == "row_weights" else rows.view.tokens if k == "tokens" else rows.gather(v)
+            for k, v in data.items()}
+    data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
+    return data, traj.max_turns
+
+
+def mini_batches_in_order(data: dict, kept: jax.Array, key: jax.Array, *, shuffle: bool, num_mini: int,
+                          mini_size: int, rows_per_episode: int) -> dict:
+    """One epoch's mini-batches ``[num_mini, mini_size * rows_per_episode, ...]``: kept rows first (in
+    order, or shuffled among themselves), so dropped rows fill the last mini-batches, which then have
+    no token and are skipped — the optimizer-step count follows the kept batch as in the original,
+    without any shape change. An episode's turn rows stay together."""
+    batch = kept.shape[0]
+    tie = jax.random.uniform(key, (batch,)) if shuffle else jnp.arange(batch) / batch
+    order = jnp.argsort(jnp.where(kept, 0.0, 2.0) + tie)
+    if rows_per_episode > 1:
+        order = (order[:, None] * rows_per_episode + jnp.arange(rows_per_episode)[None]).reshape(-1)
+    return jax.tree.map(lambda x: x[order].reshape((num_mini, mini_size * rows_per_episode) + x.shape[1:]), data)
+
+
+def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_cfg: FilterConfig):
+    """Stage 7: the state's step counters and their metrics. -> ``(updates for state.replace, metrics)``."""
+    consecutive_empty = jnp.where(empty, state.consecutive_empty + 1, 0)
+    num_empty = state.num_empty_skipped + empty.astype(jnp.int32)
+    num_nonfinite = state.num_nonfinite_skipped + counts["nonfinite"]
+    updates = dict(step=state.step + 1, optimizer_steps=state.optimizer_steps + counts["applied"],
+                   critic_optimizer_steps=state.critic_optimizer_steps + counts["critic_applied"],
+                   consecutive_empty=consecutive_empty, num_empty_skipped=num_empty,
+                   num_nonfinite_skipped=num_nonfinite)
+    metrics = {
+        "train/optimizer_steps": counts["applied"].astype(jnp.float32),
+        "train/nonfinite_grad_skipped": counts["nonfinite"].astype(jnp.float32),
+        "train/nonfinite_grad_skipped_total": num_nonfinite.astype(jnp.float32),
+        "rollout/empty_after_filter": empty.astype(jnp.float32),
+        "rollout/consecutive_empty_after_filter_steps": consecutive_empty.astype(jnp.float32),
+        "rollout/empty_after_filter_total": num_empty.astype(jnp.float32),
+        "early_stopped/empty_filtered_steps": (consecutive_empty >= filter_cfg.empty_stop_steps).astype(jnp.float32),
+    }
+    return updates, metrics
+
+
 def make_update_step(
     graphdefs: Graphdefs,
     cfg: StarPOConfig,
@@ -341,8 +523,6 @@ def make_update_step(
     critic_tx = make_optimizer(cfg.critic_lr, cfg)
     actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,
                                       cfg.min_lr_ratio)
-    chunk = cfg.logprob_chunk_size
-
     micro_loss, critic_values = make_loss_fn(graphdefs, cfg, shared_prefix_len)
     P = shared_prefix_len
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
@@ -407,7 +587,7 @@ def make_update_step(
         }
         return (params, opt_state, c_params, c_opt, counts), (metrics, apply)
 
-    # --- the whole update ------------------------------------------------------------------------------
+    # --- the whole update: the stages in order ---------------------------------------------------------
 
     def update(state: TrainState, traj: Trajectory, key: Optional[jax.Array] = None):
         batch, _ = traj.tokens.shape
@@ -422,135 +602,31 @@ def make_update_step(
         else:
             next_key = state.key
         key_collapse, key_shuffle = jax.random.split(key)
-        policy_rest, critic_rest, ref_rest = state.rest
         loss_mask = traj.loss_mask.astype(bool)
+        rows = None if per_turn_rows is None else turn_rows(traj, *per_turn_rows)
 
-        # 1. Old log-probs (temperature 1), reference log-probs, critic values — no gradient.
-        def score_rows(rows):
-            policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
-            logp, entropy, hidden = sequence_logprobs(policy, rows["tokens"], chunk_size=chunk,
-                                                      shared_prefix_len=P)
-            out = {"logp": logp, "entropy": entropy}
-            if cfg.uses_reference:
-                ref = nnx.merge(graphdefs.reference, state.ref_params, ref_rest)
-                out["ref_logp"], _, _ = sequence_logprobs(ref, rows["tokens"], chunk_size=chunk,
-                                                          with_entropy=False, shared_prefix_len=P)
-            if mode != "none":
-                out["values"] = critic_values(state.critic_params, critic_rest, rows["tokens"], hidden)
-            return out
-
-        if per_turn_rows is None:
-            rows = None
-            old = _rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size)
-        else:
-            # Scored on the contexts the replies were sampled in, then written back to the transcript.
-            rows = turn_rows(traj, *per_turn_rows)
-            old = _rows_in_chunks(score_rows, {"tokens": rows.view.tokens}, micro_size * traj.max_turns)
-            old = {k: rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
-        old = jax.lax.stop_gradient(old)
-        metrics = {}
-        sampled = loss_mask & traj.valid_mask
-        diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
-        metrics["actor/sampler_logprob_abs_diff_mean"] = adv_lib.masked_mean(diff, sampled)
-        metrics["actor/sampler_logprob_abs_diff_max"] = jnp.max(jnp.where(sampled, diff, 0.0))
-        if cfg.uses_reference:
-            metrics["actor/ref_kl"] = adv_lib.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
-
-        # 2. Collapse diagnostics on the pre-filter batch, scored by the policy before this update.
-        def policy_logprob_fn(tokens):
-            policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
-            return sequence_logprobs(policy, tokens, chunk_size=chunk, with_entropy=False)[0]
-
-        cross_fn = None
-        if collapse_cfg.prefix_cache:
-            cross_fn = make_prefix_cached_cross_scorer(nnx.merge(graphdefs.policy, state.params, policy_rest),
-                                                       logprob_chunk_size=chunk)
-        c_metrics, collapse_state = collapse_lib.maybe_collapse_metrics(
-            policy_logprob_fn, traj, state.collapse, key_collapse, state.step, collapse_cfg,
-            num_groups=num_groups, cross_fn=cross_fn, turn_rows=rows)
+        old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P)  # 1.
+        metrics = sampler_agreement(cfg, old, traj, loss_mask)
+        c_metrics, collapse_state = diagnose_collapse(graphdefs, cfg, collapse_cfg, state, traj, rows,  # 2.
+                                                      key_collapse, num_groups)
         metrics.update(c_metrics)
-
-        # 3. SNR filter over groups (on the raw episode scores: normalised scores would have equal spread).
-        scores = adv_lib.episode_scores(traj.token_rewards)
-        filt = snr_filter.rollout_filter(
-            group_size=group_size,
-            episode_scores=scores,
-            response_lengths=traj.response_length,
-            row_entropy=snr_filter.row_mean_entropy(old["entropy"], loss_mask),
-            metric=filter_cfg.metric,
-            strategy=filter_cfg.strategy,
-            value=filter_cfg.value,
-            filter_type=filter_cfg.filter_type,
-            include_zero=filter_cfg.include_zero,
-            top_p_mode=filter_cfg.top_p_mode,
-            selection_eps=filter_cfg.eps,
-        )
+        filt = filter_groups(filter_cfg, traj, old, loss_mask, group_size)  # 3.
         metrics.update(filt.metrics)
-        row_w = filt.row_weights
-        kept = row_w > 0
+        kept = filt.row_weights > 0
         train_mask = loss_mask & kept[:, None]
-        empty = filt.is_empty
         # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
         metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.loss_agg_mode)
-
-        # 4. Rewards and advantages.
-        norm_scores = adv_lib.normalize_scores(scores, method=cfg.reward_norm, group_size=group_size,
-                                               grouping=cfg.reward_norm_grouping)
-        if cfg.use_turn_scores:
-            token_rewards = traj.token_rewards.astype(jnp.float32)
-        else:
-            token_rewards = adv_lib.place_at_last_token(norm_scores.astype(jnp.float32), loss_mask)
-        if cfg.kl_in_reward:
-            token_rewards, current_kl = losses.apply_kl_in_reward(
-                token_rewards, old["logp"], old["ref_logp"], loss_mask, beta=cfg.kl_in_reward_coef,
-                estimator=cfg.kl_type)
-            metrics["actor/reward_kl_penalty"] = current_kl
-        values = old.get("values")
-        advantages, returns = adv_lib.compute_advantages(
-            cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
-            gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
-            grpo_length_weight=cfg.length_weighting)
-        advantages = advantages * snr_filter.filter_loss_scale(filter_cfg.loss_scaling, filt.kept_ratio)
-        metrics.update(_masked_stats(advantages, train_mask, "critic/advantages"))
-        metrics.update(_masked_stats(returns, train_mask, "critic/returns"))
-        metrics.update(_masked_stats(norm_scores, kept, "critic/score"))
-        if values is not None:
-            metrics.update(_masked_stats(values, train_mask, "critic/values"))
+        advantages, returns, a_metrics = estimate_advantages(cfg, filter_cfg, traj, old, filt, loss_mask,  # 4.
+                                                             train_mask, group_size)
+        metrics.update(a_metrics)
 
         # 5.–6. PPO epochs × mini-batches × micro-batches.
-        data = {
-            "tokens": traj.tokens,
-            "loss_mask": train_mask,
-            "row_weights": row_w,
-            "old_logp": old["logp"],
-            "advantages": advantages,
-        }
-        if cfg.use_kl_loss:
-            data["ref_logp"] = old["ref_logp"]
-        if mode != "none":
-            data["old_values"] = values
-            data["returns"] = returns
-
-        rows_per_episode = 1
-        if rows is not None:
-            # Every per-token array moves to the turn rows; a row trains only its own turn's tokens.
-            rows_per_episode = traj.max_turns
-            row_w_rows = row_w[rows.episode]  # [B*T]
-            data = {k: row_w_rows if k == "row_weights" else rows.view.tokens if k == "tokens" else rows.gather(v)
-                    for k, v in data.items()}
-            data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
+        data, rows_per_episode = update_batch(cfg, traj, train_mask, filt.row_weights, old, advantages, returns, rows)
 
         def epoch(carry, epoch_key):
-            # Kept rows first (in order, or shuffled among themselves), so dropped rows fill the last
-            # mini-batches, which then have no token and are skipped — the optimizer-step count follows
-            # the kept batch as in the original, without any shape change.
-            tie = jax.random.uniform(epoch_key, (batch,)) if cfg.shuffle else jnp.arange(batch) / batch
-            order = jnp.argsort(jnp.where(kept, 0.0, 2.0) + tie)
-            if rows_per_episode > 1:  # episode-major turn rows: an episode's rows stay together
-                order = (order[:, None] * rows_per_episode + jnp.arange(rows_per_episode)[None]).reshape(-1)
-            batches = jax.tree.map(
-                lambda x: x[order].reshape((num_mini, mini_size * rows_per_episode) + x.shape[1:]), data)
-            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=empty)
+            batches = mini_batches_in_order(data, kept, epoch_key, shuffle=cfg.shuffle, num_mini=num_mini,
+                                            mini_size=mini_size, rows_per_episode=rows_per_episode)
+            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=filt.is_empty)
             return jax.lax.scan(step, carry, batches)
 
         counts0 = {k: jnp.zeros((), jnp.int32) for k in ("applied", "critic_applied", "nonfinite")}
@@ -562,42 +638,20 @@ def make_update_step(
         for name, per_step in step_metrics.items():
             metrics[name] = _safe_div(jnp.sum(per_step), n_applied.astype(jnp.float32))
 
-        # 7. Counters, early-stop signal and the rest of the metrics.
-        consecutive_empty = jnp.where(empty, state.consecutive_empty + 1, 0)
-        num_empty = state.num_empty_skipped + empty.astype(jnp.int32)
-        num_nonfinite = state.num_nonfinite_skipped + counts["nonfinite"]
-        optimizer_steps = state.optimizer_steps + counts["applied"]
+        # 7. Counters and the rest of the metrics.
+        counters, counter_metrics = advance_counters(state, filt.is_empty, counts, filter_cfg)
+        metrics["actor/lr"] = jnp.asarray(actor_lr(counters["optimizer_steps"]), jnp.float32)
+        metrics.update(counter_metrics)
         metrics.update({
-            "actor/lr": jnp.asarray(actor_lr(optimizer_steps), jnp.float32),
-            "train/optimizer_steps": counts["applied"].astype(jnp.float32),
             "train/num_mini_batches": jnp.float32(num_mini * cfg.ppo_epochs),
-            "train/nonfinite_grad_skipped": counts["nonfinite"].astype(jnp.float32),
-            "train/nonfinite_grad_skipped_total": num_nonfinite.astype(jnp.float32),
-            "rollout/empty_after_filter": empty.astype(jnp.float32),
-            "rollout/consecutive_empty_after_filter_steps": consecutive_empty.astype(jnp.float32),
-            "rollout/empty_after_filter_total": num_empty.astype(jnp.float32),
-            "early_stopped/empty_filtered_steps": (consecutive_empty >= filter_cfg.empty_stop_steps
-                                                   ).astype(jnp.float32),
             "train/batch_size": jnp.float32(batch),
             "train/kept_rows": jnp.sum(kept).astype(jnp.float32),
             "train/response_length/mean": jnp.mean(traj.response_length.astype(jnp.float32)),
             "train/episode_return/mean": jnp.mean(traj.episode_return),
             "train/success_rate": jnp.mean(traj.success.astype(jnp.float32)),
         })
-        new_state = state.replace(
-            params=params,
-            opt_state=opt_state,
-            critic_params=c_params,
-            critic_opt_state=c_opt,
-            step=state.step + 1,
-            optimizer_steps=optimizer_steps,
-            critic_optimizer_steps=state.critic_optimizer_steps + counts["critic_applied"],
-            key=next_key,
-            collapse=collapse_state,
-            consecutive_empty=consecutive_empty,
-            num_empty_skipped=num_empty,
-            num_nonfinite_skipped=num_nonfinite,
-        )
+        new_state = state.replace(params=params, opt_state=opt_state, critic_params=c_params,
+                                  critic_opt_state=c_opt, key=next_key, collapse=collapse_state, **counters)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         return new_state, metrics
 
