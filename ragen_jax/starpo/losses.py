@@ -312,24 +312,29 @@ def actor_objective(
     ``entropy`` (``[B, L]``, per-token entropies from ``logprobs.py``) and ``ref_logp`` are only needed when their
     coefficient is non-zero. ``policy_hparams`` go to the policy loss (``clip_ratio_low``, ...).
 
-    Metrics (this micro-batch's values): ``pg_loss``, ``entropy`` (if given), ``kl_loss`` (if a KL
-    term is used) and the policy loss's own metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``).
+    Metrics (this micro-batch's values): ``pg_loss``, ``entropy`` (if given), ``kl_loss`` (if
+    ``ref_logp`` is given) and the policy loss's own metrics (``pg_clipfrac``, ``pg_clipfrac_lower``,
+    ``ppo_kl``); ``pg_num``, ``entropy_num``, ``kl_num`` are the terms' numerators, which
+    accumulate exactly over micro-batches (the StarPO update sums them for its metrics).
     """
     per_token, metrics = policy_loss(policy_loss_name, logp, old_logp, advantages, loss_mask, **policy_hparams)
     num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
     metrics = dict(metrics)
     safe_den = jnp.maximum(den, 1e-12)
+    metrics["pg_num"] = num
     metrics["pg_loss"] = num / safe_den
     if entropy is not None:
         ent_num, _ = aggregate(entropy, loss_mask, loss_agg_mode, row_weights)
+        metrics["entropy_num"] = ent_num
         metrics["entropy"] = ent_num / safe_den
         num = num - entropy_coeff * ent_num
     elif entropy_coeff != 0.0:
         raise ValueError("entropy_coeff is non-zero but no per-token entropy [B, L] was passed.")
-    if kl_coef != 0.0:
-        if ref_logp is None:
-            raise ValueError("kl_coef is non-zero but no reference log-probs (ref_logp [B, L]) were passed.")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("kl_coef is non-zero but no reference log-probs (ref_logp [B, L]) were passed.")
+    if ref_logp is not None:
         kl_num, _ = aggregate(kl_penalty(kl_type, logp, ref_logp), loss_mask, loss_agg_mode, row_weights)
+        metrics["kl_num"] = kl_num
         metrics["kl_loss"] = kl_num / safe_den
         num = num + kl_coef * kl_num
     return num, den, metrics

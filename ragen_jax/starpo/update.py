@@ -241,9 +241,9 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
     """Returns ``(loss_fn, critic_values)``.
 
     ``loss_fn(params, critic_params, rest, mb, den, value_den) -> (loss, aux)`` is one micro-batch's
-    share of the mini-batch objective: the numerators of (clipped policy loss − entropy_coeff ·
-    entropy + kl_coef · KL) divided by the mini-batch denominator ``den``, plus the clipped value loss
-    numerator over ``value_den`` (token-mean). Summing its gradients over the micro-batches of a
+    share of the mini-batch objective: ``losses.actor_objective``'s numerator (clipped policy loss −
+    entropy_coeff · entropy + kl_coef · KL) divided by the mini-batch denominator ``den``, plus
+    ``losses.critic_objective``'s clipped value loss numerator over ``value_den`` (token-mean). Summing its gradients over the micro-batches of a
     mini-batch gives exactly the gradient of the mini-batch aggregate. ``mb`` holds ``tokens``,
     ``loss_mask``, ``row_weights``, ``old_logp``, ``advantages`` (+ ``ref_logp`` with a KL loss,
     ``old_values`` and ``returns`` with a critic), all ``[m, ...]``. ``shared_prefix_len``: see
@@ -270,28 +270,25 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
         logp, entropy, hidden = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk,
                                                   shared_prefix_len=shared_prefix_len)
         mask, row_w = mb["loss_mask"], mb["row_weights"]
-        pg, pg_metrics = losses.policy_loss(cfg.policy_loss, logp, mb["old_logp"], mb["advantages"], mask,
-                                            **policy_hparams)
-        pg_num, _ = losses.aggregate(pg, mask, cfg.loss_agg_mode, row_w)
-        ent_num, _ = losses.aggregate(entropy, mask, cfg.loss_agg_mode, row_w)
-        actor_num = pg_num - cfg.entropy_coeff * ent_num
-        aux = {"pg_num": pg_num, "entropy_num": ent_num}
+        actor_num, _, terms = losses.actor_objective(
+            logp, mb["old_logp"], mb["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, row_weights=row_w,
+            policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
+            ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type, kl_coef=cfg.kl_coef,
+            **policy_hparams)
+        aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
         if cfg.use_kl_loss:
-            kl = losses.kl_penalty(cfg.kl_type, logp, mb["ref_logp"])
-            kl_num, _ = losses.aggregate(kl, mask, cfg.loss_agg_mode, row_w)
-            actor_num = actor_num + cfg.kl_coef * kl_num
-            aux["kl_num"] = kl_num
+            aux["kl_num"] = terms["kl_num"]
         loss = _safe_div(actor_num, den)
         # Token-weighted sums of the per-token metrics, divided by the token count after accumulation.
         n_tok = jnp.sum(mask.astype(jnp.float32))
         for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            aux[name] = pg_metrics[name] * n_tok
+            aux[name] = terms[name] * n_tok
         aux["n_tokens"] = n_tok
         if mode != "none":
             values = critic_values(critic_params, rest[1], mb["tokens"], hidden)
-            vl, v_metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mask,
-                                              cliprange_value=cfg.cliprange_value)
-            v_num, _ = losses.aggregate(vl, mask, "token-mean", row_w)
+            v_num, _, v_metrics = losses.critic_objective(values, mb["old_values"], mb["returns"], mask,
+                                                          loss_agg_mode="token-mean", row_weights=row_w,
+                                                          cliprange_value=cfg.cliprange_value)
             loss = loss + _safe_div(v_num, value_den)
             aux["vf_num"] = v_num
             aux["vf_clipfrac"] = v_metrics["vf_clipfrac"] * n_tok
