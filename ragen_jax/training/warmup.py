@@ -377,11 +377,43 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     heldout_states.
     """
     t0 = time.time()
+    phases, check = _warmup_phases(rollout, params, warmup_cfg)
+    conv_steps = int(warmup_cfg.steps)
+    total = conv_steps + int(warmup_cfg.get("single_turn_steps", 0))
+    # The learning rate is set on the host before every step: where phase 2's decay starts is only
+    # known once phase 1 has ended.
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0))
+    run = _BCRun(params=params, opt_state=tx.init(params), rng=np.random.default_rng(warmup_cfg.seed),
+                 log_fn=log_fn, summary={})
+    if progress:
+        from tqdm.auto import tqdm
+
+        run.bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
+    warm = max(1, total // 20)
+    for name, n_steps, demos in phases:
+        decays = name == "conversation" or not conv_steps
+        lr_at = _phase_lr(warmup_cfg.lr, warm, run.done if decays else total, n_steps)
+        _run_phase(run, rollout, tx, name, n_steps, demos, lr_at, warmup_cfg,
+                   check=check if name == "single_turn" else None)
+        if run.bar is not None and name == "single_turn":
+            run.bar.total = run.done + conv_steps  # the unused first-turn steps are not run
+            run.bar.refresh()
+    if run.bar is not None:
+        run.bar.close()
+    summary = run.summary
+    last = phases[-1][0] if phases else None
+    summary.update({
+        "warmup/num_demonstrations": summary.get(f"warmup/{last}_demonstrations", 0.0),
+        "warmup/expert_success": summary.get(f"warmup/{last}_expert_success", 0.0),
+        "warmup/seconds": time.time() - t0, **{f"warmup/final_{k}": v for k, v in run.metrics.items()}})
+    return run.params, summary
+
+
+def _warmup_phases(rollout: Rollout, params, warmup_cfg):
+    """``([(name, steps, demonstrations)], reading_check or None)`` for the configured phases."""
     single_steps = int(warmup_cfg.get("single_turn_steps", 0))
     conv_steps = int(warmup_cfg.steps)
-    target = float(warmup_cfg.get("reading_target", 0.0))
-    check_every = int(warmup_cfg.get("check_every", 200))
-    total = conv_steps + single_steps
 
     def states_for(n_steps):  # no more distinct states than the phase can visit
         cap = n_steps * warmup_cfg.batch_size
@@ -395,7 +427,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         phases.append(("single_turn", single_steps,
                        demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
                                       warmup_cfg.action_noise)))
-        if target > 0:
+        if float(warmup_cfg.get("reading_target", 0.0)) > 0:
             # Held-out start states (another seed) with noise-free expert replies.
             batches = list(_demonstration_batches(one_turn, params, int(warmup_cfg.get("heldout_states", 256)),
                                                   warmup_cfg.seed + 2))
@@ -408,69 +440,64 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         phases.append(("conversation", conv_steps,
                        demonstrations(rollout, params, states_for(conv_steps), warmup_cfg.seed,
                                       warmup_cfg.action_noise)))
+    return phases, check
 
-    graphdef = rollout.graphdef
-    warm = max(1, total // 20)
-    # The learning rate is set on the host before every step: where phase 2's decay starts is only
-    # known once phase 1 has ended.
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0))
-    opt_state = tx.init(params)
-    rng = np.random.default_rng(warmup_cfg.seed)
-    metrics = {}
-    summary = {}
-    done = 0
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
-    for name, n_steps, demos in phases:
-        (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos, rollout.per_turn_rows)
-        summary[f"warmup/{name}_demonstrations"] = float(n)
-        summary[f"warmup/{name}_expert_success"] = expert_success
-        bs = min(warmup_cfg.batch_size, n)
-        # Every demonstration opens with the same system prompt: run it once per batch.
-        prefix = shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
-        step_fn = make_bc_step(graphdef, tx, prefix)
-        summary[f"warmup/{name}_shared_prefix_tokens"] = float(prefix)
-        decays = name == "conversation" or not conv_steps
-        lr_at = _phase_lr(warmup_cfg.lr, warm, done if decays else total, n_steps)
-        order, cursor = rng.permutation(n), 0
-        for i in range(n_steps):
-            if cursor + bs > n:
-                order, cursor = rng.permutation(n), 0
-            idx = jnp.asarray(order[cursor: cursor + bs])
-            cursor += bs
-            opt_state[1].hyperparams["learning_rate"] = jnp.asarray(lr_at(done), jnp.float32)
-            params, opt_state, m = step_fn(params, opt_state, tokens[idx], loss_mask[idx], valid_mask[idx])
-            done += 1
-            if done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
-                metrics = {k: float(v) for k, v in m.items()}
-                if log_fn is not None:
-                    log_fn(done, {f"warmup/{k}": v for k, v in metrics.items()})
-                if bar is not None:
-                    bar.set_postfix(phase=name, loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_accuracy']:.2f}")
-            if bar is not None:
-                bar.update(1)
-            if check is not None and name == "single_turn" and ((i + 1) % check_every == 0 or i + 1 == n_steps):
-                reading = check(params)
-                summary["warmup/reading_accuracy"] = reading
-                if log_fn is not None:
-                    log_fn(done, {"warmup/reading_accuracy": reading})
-                if bar is not None:
-                    bar.set_postfix(phase=name, reading=f"{reading:.2f}")
-                if reading >= target:
-                    break
-        summary[f"warmup/{name}_steps"] = float(i + 1)
-        if bar is not None and name == "single_turn":
-            bar.total = done + conv_steps  # the unused first-turn steps are not run
-            bar.refresh()
-    if bar is not None:
-        bar.close()
-    last = phases[-1][0] if phases else None
-    summary.update({
-        "warmup/num_demonstrations": summary.get(f"warmup/{last}_demonstrations", 0.0),
-        "warmup/expert_success": summary.get(f"warmup/{last}_expert_success", 0.0),
-        "warmup/seconds": time.time() - t0, **{f"warmup/final_{k}": v for k, v in metrics.items()}})
-    return params, summary
+@dataclasses.dataclass
+class _BCRun:
+    """What the warm-up's phases carry from one to the next."""
+
+    params: Any
+    opt_state: Any
+    rng: np.random.Generator  # the order demonstrations are drawn in
+    log_fn: Callable[[int, dict], None] | None
+    summary: dict
+    done: int = 0  # BC steps run so far, both phases
+    metrics: dict = dataclasses.field(default_factory=dict)  # the last logged step's
+    bar: Any = None
+
+
+def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos, lr_at, warmup_cfg,
+               check=None) -> None:
+    """Up to ``n_steps`` BC steps on ``demos`` (shuffled, batch by batch); with ``check`` (phase 1
+    with a reading target) the phase ends once held-out board reading reaches the target."""
+    (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos, rollout.per_turn_rows)
+    run.summary[f"warmup/{name}_demonstrations"] = float(n)
+    run.summary[f"warmup/{name}_expert_success"] = expert_success
+    bs = min(warmup_cfg.batch_size, n)
+    # Every demonstration opens with the same system prompt: run it once per batch.
+    prefix = shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
+    step_fn = make_bc_step(rollout.graphdef, tx, prefix)
+    run.summary[f"warmup/{name}_shared_prefix_tokens"] = float(prefix)
+    target = float(warmup_cfg.get("reading_target", 0.0))
+    check_every = int(warmup_cfg.get("check_every", 200))
+    order, cursor = run.rng.permutation(n), 0
+    for i in range(n_steps):
+        if cursor + bs > n:
+            order, cursor = run.rng.permutation(n), 0
+        idx = jnp.asarray(order[cursor: cursor + bs])
+        cursor += bs
+        run.opt_state[1].hyperparams["learning_rate"] = jnp.asarray(lr_at(run.done), jnp.float32)
+        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, tokens[idx], loss_mask[idx],
+                                               valid_mask[idx])
+        run.done += 1
+        if run.done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
+            run.metrics = {k: float(v) for k, v in m.items()}
+            _report(run, {f"warmup/{k}": v for k, v in run.metrics.items()}, phase=name,
+                    loss=f"{run.metrics['loss']:.3f}", acc=f"{run.metrics['token_accuracy']:.2f}")
+        if run.bar is not None:
+            run.bar.update(1)
+        if check is not None and ((i + 1) % check_every == 0 or i + 1 == n_steps):
+            reading = check(run.params)
+            run.summary["warmup/reading_accuracy"] = reading
+            _report(run, {"warmup/reading_accuracy": reading}, phase=name, reading=f"{reading:.2f}")
+            if reading >= target:
+                break
+    run.summary[f"warmup/{name}_steps"] = float(i + 1)
+
+
+def _report(run: _BCRun, scalars: dict, **postfix) -> None:
+    if run.log_fn is not None:
+        run.log_fn(run.done, scalars)
+    if run.bar is not None:
+        run.bar.set_postfix(**postfix)
