@@ -5,14 +5,15 @@
 
     reset envs (vmapped; the same reset key within a group)
     prefill the system prompt into every row's KV cache
-    lax.scan over turns:
-        observation → piece ids (env.render_pieces) → tokens (codec tables, cumsum + scatter)
-        prefill the user block at each row's own cache position (no re-prefill of the history)
-        generate ≤ max_new_tokens (stop at "</answer>" or the template's end-of-turn token)
-        reply tokens → bytes → actions (parser, vectorised)
-        lax.scan over action slots: env.step_env (vmapped), masked by validity, budget and done
-        per-turn reward, format penalty, success, done
-    close the last assistant messages, assemble the Trajectory
+    lax.scan over turns (``Rollout._turn`` over a ``TurnCarry``):
+        _user_block: observation → piece ids (env.render_pieces) → tokens (codec tables, cumsum + scatter)
+        context.prepare: what the turn sees (``FullContext`` / ``LimitedContext`` / ``ReprefillContext``),
+            then the user block is prefilled at each row's own cache position (no re-prefill of the history)
+        _reply: generate ≤ max_new_tokens (stop at "</answer>" or the template's end-of-turn token)
+        _parse: reply tokens → bytes → actions (parser, vectorised)
+        _step_envs: lax.scan over action slots, env.step_env (vmapped), masked by validity, budget and done
+        record: per-turn reward, format penalty, success, done
+    _assemble: close the last assistant messages, build the Trajectory
 
 Conversation limits. A turn starts only if its whole user block, ``max_new_tokens`` reply tokens
 and the closing tokens fit in ``max_seq_len``, and its observation fits the static observation
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ragen_jax.models.kv_cache import init_cache
+from ragen_jax.models.kv_cache import KVCache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout import parser as parser_lib
@@ -57,9 +58,10 @@ from ragen_jax.rollout import prompts
 from ragen_jax.rollout.chat import chat_framing
 from ragen_jax.rollout.trajectory import Trajectory
 
-# "reprefill" is the baseline the benchmark measures against: every turn rebuilds the KV cache by
-# prefilling the whole conversation from position 0 (what the original and Tunix do). It produces
-# the same trajectories as "full", at a higher cost.
+# One strategy each (``FullContext``, ``LimitedContext``, ``ReprefillContext`` below). "reprefill"
+# is a benchmark baseline, not a training mode: every turn rebuilds the KV cache by prefilling the
+# whole conversation from position 0 (what the original and Tunix do) — the same trajectories as
+# "full", at a higher cost (``benchmarks/rollout.py``).
 CONTEXT_MODES = ("full", "limited", "reprefill")
 
 
@@ -122,6 +124,50 @@ class ForcedReplies:
 
     tokens: chex.Array
     lengths: chex.Array
+
+
+@chex.dataclass(frozen=True)
+class TurnCarry:
+    """What one turn hands the next (``lax.scan`` carry); ``[B]`` / ``[B, L]`` per row."""
+
+    cache: KVCache  # each row's KV cache (``Rollout.cache_len`` slots)
+    state: chex.ArrayTree  # the env states
+    pos: chex.Array  # int32 [B] transcript length so far (= next write position)
+    buf: chex.Array  # int32 [B, L] the transcript
+    loss: chex.Array  # bool [B, L] sampled tokens
+    logp: chex.Array  # float32 [B, L] the sampler's log-probs of them
+    turn_ids: chex.Array  # int32 [B, L] turn of each token (-1 = preamble)
+    keys: chex.Array  # [B] per-row sampling keys
+    done: chex.Array  # bool [B] episode over (env end, action budget, or truncated)
+    truncated: chex.Array  # bool [B] ended because the next turn would not fit
+    success: chex.Array  # bool [B]
+    num_actions: chex.Array  # int32 [B] env actions taken
+    eot: chex.Array  # bool [B] the last reply ended with the end-of-turn token
+    reward_id: chex.Array  # int32 [B] piece id of the last turn's reward text
+    warn: chex.Array  # bool [B] the last reply had no valid action (warning next turn)
+    turn_starts: chex.Array  # int32 [B, T] transcript index where each turn's user content starts
+
+
+@chex.dataclass(frozen=True)
+class UserBlock:
+    """Turn ``t``'s user block, tokenised, and who takes the turn (``Rollout._user_block``)."""
+
+    chunk: chex.Array  # int32 [B, C] tokens: previous close, reward, warning, board, instructions
+    length: chex.Array  # int32 [B] valid tokens (0 for rows not taking the turn)
+    source: chex.Array  # int32 [B, C] piece each token came from (0 = the previous close)
+    close_len: chex.Array  # int32 [B] tokens of the previous close at the start of the chunk
+    active: chex.Array  # bool [B] the row takes this turn
+    done: chex.Array  # bool [B] episode over after this check (truncation included)
+    truncated: chex.Array  # bool [B]
+    turn_starts: chex.Array  # int32 [B, T] with this turn's start recorded
+
+
+def _write(arr, start, values, n):
+    """Scatter ``values[b, :n[b]]`` into ``arr[b, start[b]:]`` (past the end dropped)."""
+    rows = jnp.arange(arr.shape[0])
+    j = jnp.arange(values.shape[1])
+    dest = jnp.where(j[None] < n[:, None], start[:, None] + j[None], arr.shape[1])
+    return arr.at[rows[:, None], dest].set(values, mode="drop")
 
 
 def validation_keys(n: int, seed: int = 123) -> jax.Array:
@@ -241,6 +287,7 @@ class Rollout:
         if config.context_mode == "limited":
             self.cache_len = min(config.max_seq_len,
                                  preamble + config.context_window * (self.codec.chunk_len + config.max_new_tokens))
+        self.context = CONTEXT_STRATEGIES[config.context_mode](self)
         self._run = jax.jit(self._rollout)
 
     @property
@@ -315,189 +362,184 @@ class Rollout:
 
     # ---------------------------------------------------------------------------------------
     def _rollout(self, params, env_keys, sample_key, forced):
-        c, cd, env, ep = self.config, self.codec, self.env, self.env_params
-        B = env_keys.shape[0]
-        L = c.max_seq_len
-        T = c.max_turns
-        N = c.max_new_tokens
-        A = c.max_actions_per_turn
+        """The whole episode batch: reset, system prompt, ``max_turns`` turns under ``lax.scan``, close."""
         model = (self.graphdef, params)
-        cfg = nnx.merge(self.graphdef, params).cfg
-        rows = jnp.arange(B)
+        carry = self._initial_carry(model, env_keys, sample_key)
+        carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t), carry,
+                                       jnp.arange(self.config.max_turns))
+        per_turn = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), per_turn)  # [B, T]
+        return self._assemble(carry, per_turn)
 
+    def _initial_carry(self, model, env_keys, sample_key) -> TurnCarry:
+        """Reset envs, prefill the system prompt (``P0`` tokens) into every row's cache and transcript."""
+        c, cd = self.config, self.codec
+        B, L = env_keys.shape[0], c.max_seq_len
         _, state = self._reset_batch(env_keys)
-        cache = init_cache(cfg, B, self.cache_len)
+        cache = init_cache(nnx.merge(*model).cfg, B, self.cache_len)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
         _, cache = prefill(model, cache, jnp.broadcast_to(pre, (B, P0)), jnp.zeros((B,), jnp.int32),
                            jnp.full((B,), P0, jnp.int32))
-        buf = jnp.full((B, L), cd.pad_id, jnp.int32).at[:, :P0].set(pre)
-        sampling = SamplingConfig.create(c.temperature, c.top_k, c.top_p)
-        keys = jax.random.split(sample_key, B)
-
-        def write(arr, start, values, n, fill_ok=True):
-            """Scatter values[b, :n[b]] into arr[b, start[b]:] (out-of-range dropped)."""
-            j = jnp.arange(values.shape[1])
-            dest = jnp.where(j[None] < n[:, None], start[:, None] + j[None], L)
-            return arr.at[rows[:, None], dest].set(values, mode="drop")
-
-        carry = dict(
-            cache=cache, state=state, pos=jnp.full((B,), P0, jnp.int32), buf=buf,
+        return TurnCarry(
+            cache=cache, state=state, pos=jnp.full((B,), P0, jnp.int32),
+            buf=jnp.full((B, L), cd.pad_id, jnp.int32).at[:, :P0].set(pre),
             loss=jnp.zeros((B, L), bool), logp=jnp.zeros((B, L), jnp.float32),
-            turn_ids=jnp.full((B, L), -1, jnp.int32), keys=keys,
+            turn_ids=jnp.full((B, L), -1, jnp.int32), keys=jax.random.split(sample_key, B),
             done=jnp.zeros((B,), bool), truncated=jnp.zeros((B,), bool),
             success=jnp.zeros((B,), bool), num_actions=jnp.zeros((B,), jnp.int32),
             eot=jnp.zeros((B,), bool), reward_id=jnp.full((B,), cd.reward_zero, jnp.int32),
-            warn=jnp.zeros((B,), bool), turn_starts=jnp.full((B, T), P0, jnp.int32),
+            warn=jnp.zeros((B,), bool), turn_starts=jnp.full((B, c.max_turns), P0, jnp.int32),
         )
 
-        def turn(carry, t):
-            # ---- user block --------------------------------------------------------------
-            pieces, n_pieces = self._render_batch(carry["state"])
-            actions_left = c.max_actions_per_traj - carry["num_actions"]
-            ids, valid = jax.vmap(
-                lambda p, n, e, r, w, a: cd.turn_pieces(t, p, n, eot_emitted=e, reward_id=r, warning=w, actions_left=a)
-            )(pieces, n_pieces, carry["eot"], carry["reward_id"], carry["warn"], actions_left)
-            chunk, clen, src = jax.vmap(cd.chunk)(ids, valid)
-            pos = carry["pos"]
-            # A turn starts only if its user block fits the chunk and the whole turn fits the cache.
-            fits = (clen <= cd.chunk_len) & (pos + clen + N + cd.end_len <= L)
-            live = ~carry["done"]
-            active = live & fits
-            truncated = carry["truncated"] | (live & ~fits)
-            done = carry["done"] | (live & ~fits)
-            clen = jnp.where(active, clen, 0)
+    def _turn(self, model, env_keys, forced, carry: TurnCarry, t):
+        """One turn for every row: user block → context → reply → parse → env steps → record."""
+        c, cd = self.config, self.codec
+        P0 = len(cd.preamble_ids)
+        block = self._user_block(carry, t)
+        active = block.active
+        cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
+        last_logits, cache = prefill(model, cache, chunk, cache_pos, clen)
+        buf = _write(carry.buf, carry.pos, block.chunk, block.length)
+        # The close of the previous assistant message (piece 0) belongs to the previous turn.
+        turn_ids = _write(carry.turn_ids, carry.pos, jnp.where(block.source == 0, t - 1, t), block.length)
+        prompt_end = carry.pos + block.length
 
-            # Where this turn's user content starts (after the previous assistant's close).
-            close_len = jnp.sum((src == 0) & (jnp.arange(cd.chunk_len)[None] < clen[:, None]), axis=1)
-            turn_starts = carry["turn_starts"].at[:, t].set(
-                jnp.where(active, pos + close_len, carry["turn_starts"][:, t]))
+        reply, rlen, rlogp, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen, active,
+                                                      carry.keys, forced, t)
+        buf = _write(buf, prompt_end, reply, rlen)
+        loss = _write(carry.loss, prompt_end, jnp.ones_like(reply, bool), rlen)
+        logp = _write(carry.logp, prompt_end, rlogp, rlen)
+        turn_ids = _write(turn_ids, prompt_end, jnp.full_like(reply, t), rlen)
+        last_tok = jnp.take_along_axis(reply, jnp.maximum(rlen - 1, 0)[:, None], 1)[:, 0]
+        eot = active & (rlen > 0) & (last_tok == cd.eot_id)
+        pos = prompt_end + rlen
 
-            cache = carry["cache"]
-            cchunk, cclen = chunk, clen
-            if c.context_mode == "limited":
-                cache = self._rebuild_window(model, cache, carry["buf"], turn_starts, pos, t, active, P0)
-                if c.context_window == 1:
-                    # The previous assistant's close belongs to a turn outside the window.
-                    cchunk = jnp.take_along_axis(chunk, jnp.clip(close_len[:, None] + jnp.arange(cd.chunk_len)[None],
-                                                                 0, cd.chunk_len - 1), 1)
-                    cclen = clen - close_len
-            elif c.context_mode == "reprefill":
-                fresh = init_cache(cfg, B, L, cache.k.dtype)
-                cache = prefill(model, fresh, carry["buf"], jnp.zeros((B,), jnp.int32), jnp.where(active, pos, 0))[1]
-            # In limited mode the cache holds a shorter context: its own write position.
-            cpos = self._cache_pos(turn_starts, pos, t, P0) if c.context_mode == "limited" else pos
-            last_logits, cache = prefill(model, cache, cchunk, cpos, cclen)
+        parsed, reasoning_end = self._parse(reply, rlen, prompt_end, eot)
+        state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
 
-            buf = write(carry["buf"], pos, chunk, clen)
-            # The close of the previous assistant message (piece 0) belongs to the previous turn.
-            tid = jnp.where(src == 0, t - 1, t)
-            turn_ids = write(carry["turn_ids"], pos, tid, clen)
-            prompt_end = pos + clen
-            gen_start = prompt_end
+        stepped = active & (parsed.n_valid > 0)
+        done = block.done | (active & (env_done | (num_actions >= c.max_actions_per_traj)))
+        penalty = active & parsed.format_penalty
+        new = TurnCarry(
+            cache=cache, state=state, pos=pos, buf=buf, loss=loss, logp=logp, turn_ids=turn_ids, keys=keys,
+            done=done, truncated=block.truncated, success=success, num_actions=num_actions,
+            eot=jnp.where(active, eot, carry.eot),
+            reward_id=jnp.where(active, cd.reward_id(rsum, stepped), carry.reward_id),
+            warn=jnp.where(active, ~stepped, carry.warn), turn_starts=block.turn_starts,
+        )
+        per_turn = dict(
+            reward=jnp.where(active, rsum + jnp.where(penalty, c.format_penalty, 0.0), 0.0),
+            penalty=jnp.where(penalty, c.format_penalty, 0.0), mask=active,
+            last=jnp.where(active & (rlen > 0), pos - 1, -1), prompt_end=jnp.where(active, prompt_end, 0),
+            r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
+            valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
+            context_start=self.context.context_start(block.turn_starts, t, P0, active),
+        )
+        return new, per_turn
 
-            # ---- reply -------------------------------------------------------------------
-            if forced is None:
-                out = generate(model, cache, last_logits, cpos + cclen, active, carry["keys"], sampling,
-                               self.stop_ids, self.stop_sequences, N, pad_id=cd.pad_id)
-                reply, rlen, rlogp, cache, keys = out.tokens, out.lengths, out.logprobs, out.cache, out.keys
-            else:
-                ftok = jnp.zeros((B, N), jnp.int32).at[:, : forced.tokens.shape[2]].set(forced.tokens[:, t])
-                rlen = jnp.where(active, forced.lengths[:, t], 0)
-                ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
-                _, cache = prefill(model, cache, ftok, cpos + cclen, rlen)
-                reply, rlogp, keys = ftok, jnp.zeros((B, N), jnp.float32), carry["keys"]
-            buf = write(buf, gen_start, reply, rlen)
-            loss = write(carry["loss"], gen_start, jnp.ones((B, N), bool), rlen)
-            logp = write(carry["logp"], gen_start, rlogp, rlen)
-            turn_ids = write(turn_ids, gen_start, jnp.full((B, N), t, jnp.int32), rlen)
-            last_tok = jnp.take_along_axis(reply, jnp.maximum(rlen - 1, 0)[:, None], 1)[:, 0]
-            eot = active & (rlen > 0) & (last_tok == cd.eot_id)
-            pos = gen_start + rlen
+    def _user_block(self, carry: TurnCarry, t) -> UserBlock:
+        """Turn ``t``'s user block from the env state (previous close, reward, warning, board), and
+        which rows take the turn: a live row whose block and whole turn still fit the transcript."""
+        c, cd = self.config, self.codec
+        pieces, n_pieces = self._render_batch(carry.state)
+        actions_left = c.max_actions_per_traj - carry.num_actions
+        ids, valid = jax.vmap(
+            lambda p, n, e, r, w, a: cd.turn_pieces(t, p, n, eot_emitted=e, reward_id=r, warning=w, actions_left=a)
+        )(pieces, n_pieces, carry.eot, carry.reward_id, carry.warn, actions_left)
+        chunk, clen, src = jax.vmap(cd.chunk)(ids, valid)
+        fits = (clen <= cd.chunk_len) & (carry.pos + clen + c.max_new_tokens + cd.end_len <= c.max_seq_len)
+        live = ~carry.done
+        active = live & fits
+        clen = jnp.where(active, clen, 0)
+        # Where this turn's user content starts (after the previous assistant's close).
+        close_len = jnp.sum((src == 0) & (jnp.arange(cd.chunk_len)[None] < clen[:, None]), axis=1)
+        turn_starts = carry.turn_starts.at[:, t].set(jnp.where(active, carry.pos + close_len, carry.turn_starts[:, t]))
+        return UserBlock(chunk=chunk, length=clen, source=src, close_len=close_len, active=active,
+                         done=carry.done | (live & ~fits), truncated=carry.truncated | (live & ~fits),
+                         turn_starts=turn_starts)
 
-            # ---- parse -------------------------------------------------------------------
-            pid = jnp.concatenate([jnp.full((B, 1), self.prefix_row, jnp.int32), reply], axis=1)
-            pvalid = jnp.concatenate([jnp.ones((B, 1), bool), jnp.arange(N)[None] < rlen[:, None]], axis=1)
-            rbytes, nbytes, bsrc = jax.vmap(
-                lambda i, v: codec_lib.tokens_to_bytes(self.byte_table, self.byte_len, i, v, self.reply_bytes)
-            )(pid, pvalid)
-            parsed = jax.vmap(lambda b, n: parser_lib.parse_reply(b, n, self.vocab, A, c.enable_think))(rbytes, nbytes)
-            # Reasoning span: after the forced "<think>" up to the token holding "</think>".
-            end_tok = jnp.take_along_axis(bsrc, jnp.clip(parsed.think_end, 0, self.reply_bytes - 1)[:, None], 1)[:, 0]
-            unmatched_end = gen_start + rlen - eot.astype(jnp.int32)
-            has_think = c.enable_think & (parsed.think_end < nbytes)
-            reasoning_end = jnp.where(has_think, gen_start + end_tok - 1, unmatched_end)
-            if not c.enable_think:
-                reasoning_end = gen_start
+    def _reply(self, model, cache, last_logits, start, active, keys, forced, t):
+        """Sample (or, with ``forced``, replay) up to ``max_new_tokens`` reply tokens from cache slot
+        ``start``. -> ``(tokens [B, N], lengths [B], log-probs [B, N], cache, keys)``."""
+        c, cd = self.config, self.codec
+        B, N = active.shape[0], c.max_new_tokens
+        if forced is None:
+            out = generate(model, cache, last_logits, start, active, keys, SamplingConfig.create(
+                c.temperature, c.top_k, c.top_p), self.stop_ids, self.stop_sequences, N, pad_id=cd.pad_id)
+            return out.tokens, out.lengths, out.logprobs, out.cache, out.keys
+        ftok = jnp.zeros((B, N), jnp.int32).at[:, : forced.tokens.shape[2]].set(forced.tokens[:, t])
+        rlen = jnp.where(active, forced.lengths[:, t], 0)
+        ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
+        _, cache = prefill(model, cache, ftok, start, rlen)
+        return ftok, rlen, jnp.zeros((B, N), jnp.float32), cache, keys
 
-            # ---- env steps ---------------------------------------------------------------
-            def act(sc, k):
-                st, nact, env_done, rsum, succ, nexe, neff = sc
-                a = parsed.actions[:, k]
-                do = active & (k < parsed.n_valid) & (nact < c.max_actions_per_traj) & ~env_done
-                skeys = jax.vmap(lambda key, n: jax.random.fold_in(key, n + 1))(env_keys, nact)
-                st, r, term, trunc, info = self._step_batch(skeys, st, jnp.maximum(a, 0), do)
-                ended = do & (term | trunc)
-                return (
-                    st, nact + do, env_done | ended, rsum + jnp.where(do, r, 0.0),
+    def _parse(self, reply, rlen, gen_start, eot):
+        """Reply tokens → bytes → ``parser.parse_reply``; plus where the reasoning ends in the
+        transcript (the token holding ``</think>``; the reply's end when it never closes)."""
+        c = self.config
+        B, N = reply.shape
+        pid = jnp.concatenate([jnp.full((B, 1), self.prefix_row, jnp.int32), reply], axis=1)
+        pvalid = jnp.concatenate([jnp.ones((B, 1), bool), jnp.arange(N)[None] < rlen[:, None]], axis=1)
+        rbytes, nbytes, bsrc = jax.vmap(
+            lambda i, v: codec_lib.tokens_to_bytes(self.byte_table, self.byte_len, i, v, self.reply_bytes)
+        )(pid, pvalid)
+        parsed = jax.vmap(lambda b, n: parser_lib.parse_reply(b, n, self.vocab, c.max_actions_per_turn,
+                                                              c.enable_think))(rbytes, nbytes)
+        if not c.enable_think:
+            return parsed, gen_start
+        # Reasoning span: after the forced "<think>" up to the token holding "</think>".
+        end_tok = jnp.take_along_axis(bsrc, jnp.clip(parsed.think_end, 0, self.reply_bytes - 1)[:, None], 1)[:, 0]
+        has_think = parsed.think_end < nbytes
+        return parsed, jnp.where(has_think, gen_start + end_tok - 1, gen_start + rlen - eot.astype(jnp.int32))
+
+    def _step_envs(self, env_keys, carry: TurnCarry, parsed, active):
+        """The parsed actions, one slot at a time (``lax.scan``), each masked by validity, the
+        episode's action budget and termination. -> ``(state, num_actions, env_done, reward sum,
+        success, executed, effective)``."""
+        c = self.config
+        B = active.shape[0]
+
+        def act(sc, k):
+            st, nact, env_done, rsum, succ, nexe, neff = sc
+            a = parsed.actions[:, k]
+            do = active & (k < parsed.n_valid) & (nact < c.max_actions_per_traj) & ~env_done
+            skeys = jax.vmap(lambda key, n: jax.random.fold_in(key, n + 1))(env_keys, nact)
+            st, r, term, trunc, info = self._step_batch(skeys, st, jnp.maximum(a, 0), do)
+            ended = do & (term | trunc)
+            return (st, nact + do, env_done | ended, rsum + jnp.where(do, r, 0.0),
                     succ | (ended & info["success"] & term), nexe + do,
-                    neff + (do & info["action_is_effective"]),
-                ), None
+                    neff + (do & info["action_is_effective"])), None
 
-            init = (carry["state"], carry["num_actions"], jnp.zeros((B,), bool), jnp.zeros((B,), jnp.float32),
-                    carry["success"], jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
-            (state, num_actions, env_done, rsum, success, nexe, neff), _ = jax.lax.scan(act, init, jnp.arange(A))
+        init = (carry.state, carry.num_actions, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.float32),
+                carry.success, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
+        return jax.lax.scan(act, init, jnp.arange(c.max_actions_per_turn))[0]
 
-            stepped = active & (parsed.n_valid > 0)
-            budget_out = num_actions >= c.max_actions_per_traj
-            done = done | (active & (env_done | budget_out))
-            penalty = active & parsed.format_penalty
-            turn_reward = jnp.where(active, rsum + jnp.where(penalty, c.format_penalty, 0.0), 0.0)
-            last_index = jnp.where(active & (rlen > 0), pos - 1, -1)
-
-            new = dict(
-                cache=cache, state=state, pos=pos, buf=buf, loss=loss, logp=logp, turn_ids=turn_ids, keys=keys,
-                done=done, truncated=truncated, success=success, num_actions=num_actions,
-                eot=jnp.where(active, eot, carry["eot"]),
-                reward_id=jnp.where(active, cd.reward_id(rsum, stepped), carry["reward_id"]),
-                warn=jnp.where(active, ~stepped, carry["warn"]), turn_starts=turn_starts,
-            )
-            per_turn = dict(
-                reward=turn_reward, penalty=jnp.where(penalty, c.format_penalty, 0.0), mask=active,
-                last=last_index, prompt_end=jnp.where(active, prompt_end, 0),
-                r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
-                valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
-                context_start=self._context_start(turn_starts, t, P0, active),
-            )
-            return new, per_turn
-
-        carry, pt = jax.lax.scan(turn, carry, jnp.arange(T))
-        pt = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), pt)  # [B, T]
-
-        # Close each row's last assistant message (the next turn never came).
+    def _assemble(self, carry: TurnCarry, pt: dict) -> Trajectory:
+        """Close each row's last assistant message (the next turn never came) and build the Trajectory."""
+        c, cd = self.config, self.codec
+        B, L = carry.buf.shape
+        rows = jnp.arange(B)
         had_turn = jnp.any(pt["mask"], axis=1)
-        close_id = jnp.where(carry["eot"], cd.end_rest, cd.end_full)
+        close_id = jnp.where(carry.eot, cd.end_rest, cd.end_full)
         ctoks, clen, _ = jax.vmap(
             lambda i: codec_lib.concat_pieces(cd.table, cd.lengths, i[None], jnp.ones((1,), bool), cd.end_len, cd.pad_id)
         )(close_id)
         clen = jnp.where(had_turn, clen, 0)
         last_turn = jnp.maximum(jnp.sum(pt["mask"], axis=1) - 1, 0)
-        buf = write(carry["buf"], carry["pos"], ctoks, clen)
-        turn_ids = write(carry["turn_ids"], carry["pos"], jnp.broadcast_to(last_turn[:, None], ctoks.shape), clen)
-        length = carry["pos"] + clen
+        buf = _write(carry.buf, carry.pos, ctoks, clen)
+        turn_ids = _write(carry.turn_ids, carry.pos, jnp.broadcast_to(last_turn[:, None], ctoks.shape), clen)
+        length = carry.pos + clen
 
-        idx = jnp.arange(L)[None]
-        valid_mask = idx < length[:, None]
+        valid_mask = jnp.arange(L)[None] < length[:, None]
         token_rewards = jnp.zeros((B, L), jnp.float32).at[rows[:, None], jnp.where(pt["last"] >= 0, pt["last"], L)].add(
             pt["reward"], mode="drop")
         num_turns = jnp.sum(pt["mask"], axis=1).astype(jnp.int32)
         nexe = jnp.sum(pt["nexe"], axis=1)
-        response_length = jnp.sum(carry["loss"], axis=1).astype(jnp.int32)
         return Trajectory(
             tokens=jnp.where(valid_mask, buf, cd.pad_id),
             valid_mask=valid_mask,
-            loss_mask=carry["loss"],
-            sampler_logprobs=carry["logp"],
+            loss_mask=carry.loss,
+            sampler_logprobs=carry.logp,
             turn_ids=jnp.where(valid_mask, turn_ids, -1),
             token_rewards=token_rewards,
             turn_rewards=pt["reward"],
@@ -509,13 +551,13 @@ class Rollout:
             reasoning_end=pt["r_end"],
             group_ids=(rows // c.group_size).astype(jnp.int32),
             episode_return=jnp.sum(pt["reward"], axis=1),
-            success=carry["success"],
+            success=carry.success,
             num_turns=num_turns,
-            num_actions=carry["num_actions"],
+            num_actions=carry.num_actions,
             valid_action_rate=jnp.sum(pt["valid_turn"], axis=1) / jnp.maximum(num_turns, 1),
             effective_action_rate=jnp.sum(pt["neff"], axis=1) / jnp.maximum(nexe, 1),
-            response_length=response_length,
-            truncated=carry["truncated"],
+            response_length=jnp.sum(carry.loss, axis=1).astype(jnp.int32),
+            truncated=carry.truncated,
             context_start=pt["context_start"],
         )
 
@@ -539,22 +581,68 @@ class Rollout:
         nst = jax.tree.map(lambda x, y: jnp.where(do.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), nst, state)
         return nst, r, term, trunc, info
 
-    # ---- limited context window -------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------------
+# What a turn sees: one small strategy per ``RolloutConfig.context_mode``
+
+
+class FullContext:
+    """``full``: the whole conversation; the user block is appended at the row's own position."""
+
+    def __init__(self, rollout: "Rollout"):
+        self.rollout = rollout
+
+    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
+        """-> ``(cache, tokens to prefill [B, C], their lengths [B], cache write positions [B])``."""
+        return carry.cache, block.chunk, block.length, carry.pos
+
+    def context_start(self, turn_starts, t, P0, active):
+        """Transcript index where turn ``t``'s visible history (after the preamble) begins."""
+        return jnp.where(active, P0, 0)
+
+
+class ReprefillContext(FullContext):
+    """``reprefill`` — a benchmark baseline, not a training mode: the same context as ``full``, but
+    every turn rebuilds the KV cache by prefilling the whole conversation from position 0 (what the
+    original and Tunix do), so ``benchmarks/rollout.py`` can measure what appending saves."""
+
+    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
+        B, L = carry.buf.shape
+        fresh = init_cache(nnx.merge(*model).cfg, B, L, carry.cache.k.dtype)
+        cache = prefill(model, fresh, carry.buf, jnp.zeros((B,), jnp.int32), jnp.where(block.active, carry.pos, 0))[1]
+        return cache, block.chunk, block.length, carry.pos
+
+
+class LimitedContext(FullContext):
+    """``limited``: the system prompt and the last ``context_window`` turns (RAGEN's
+    ``limited_multi_turn``). The cache holds only that (``Rollout.cache_len``) and is rebuilt at
+    every turn boundary once the window slides."""
+
+    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
+        c, cd = self.rollout.config, self.rollout.codec
+        P0 = len(cd.preamble_ids)
+        cache = self._rebuild_window(model, carry.cache, carry.buf, block.turn_starts, carry.pos, t, block.active, P0)
+        chunk, clen = block.chunk, block.length
+        if c.context_window == 1:
+            # The previous assistant's close belongs to a turn outside the window.
+            chunk = jnp.take_along_axis(chunk, jnp.clip(block.close_len[:, None] + jnp.arange(cd.chunk_len)[None],
+                                                        0, cd.chunk_len - 1), 1)
+            clen = clen - block.close_len
+        # The cache holds a shorter context than the transcript: its own write position.
+        return cache, chunk, clen, self._cache_pos(block.turn_starts, carry.pos, t, P0)
+
     def _window(self, turn_starts, t):
         """(first turn kept in turn ``t``'s window, int32 [B] transcript index where it starts)."""
-        first = jnp.maximum(t - self.config.context_window + 1, 0)
+        first = jnp.maximum(t - self.rollout.config.context_window + 1, 0)
         start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
         return first, start
 
-    def _context_start(self, turn_starts, t, P0, active):
-        """Transcript index where turn ``t``'s visible history (after the preamble) begins."""
-        if self.config.context_mode == "full":
-            return jnp.where(active, P0, 0)
+    def context_start(self, turn_starts, t, P0, active):
         first, start = self._window(turn_starts, t)
         return jnp.where(active, jnp.where(first > 0, start, P0), 0)
 
     def _cache_pos(self, turn_starts, pos, t, P0):
-        """Cache write position in limited mode: preamble + the kept turns."""
+        """Cache write position: preamble + the kept turns."""
         first, start = self._window(turn_starts, t)
         # With a one-turn window ``start`` lies after the previous close, which is not prefilled.
         return jnp.where(first > 0, P0 + jnp.maximum(pos - start, 0), pos)
@@ -566,18 +654,21 @@ class Rollout:
         that context and is kept as is. A one-turn window keeps nothing but the preamble: the new
         user block is written from slot ``P0`` and every slot past it is masked by position.
         """
-        if self.config.context_window == 1:
+        if self.rollout.config.context_window == 1:
             return cache
         first, start = self._window(turn_starts, t)
         B, L = buf.shape
         kept = jnp.where(active, pos - start, 0)
-        j = jnp.arange(self.cache_len - P0)
+        j = jnp.arange(self.rollout.cache_len - P0)
         hist = jnp.take_along_axis(buf, jnp.clip(start[:, None] + j[None], 0, L - 1), 1)
 
         def rebuild(cache):
             return prefill(model, cache, hist, jnp.full((B,), P0, jnp.int32), kept)[1]
 
         return jax.lax.cond(first > 0, rebuild, lambda cache: cache, cache)
+
+
+CONTEXT_STRATEGIES = {"full": FullContext, "limited": LimitedContext, "reprefill": ReprefillContext}
 
 
 def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
