@@ -311,24 +311,29 @@ class PromptCodec:
         self.table, self.lengths = t.build()
         self.max_obs_pieces = max_obs_pieces
 
-        # Static bound on a chunk's length: the longest candidate of every slot.
+        self.chunk_len = self._max_chunk_len(t, len(env_pieces), max_int, max_obs_pieces, max_obs_tokens)
         L = t.length
-        env_max = max(L(self.env_offset + i) for i in range(len(env_pieces))) if len(env_pieces) else 0
-        int_max = max(L(self.int_offset + i) for i in range(max_int + 1))
-        rew_max = max(L(self.reward_offset + i) for i in range(2 * self.reward_kmax + 1))
-        self.chunk_len = (
-            max(L(self.close_full), L(self.close_rest))
-            + L(self.reward_head) + max(rew_max, L(self.reward_zero)) + L(self.newline)
-            + max(L(self.turn_head), L(self.turn_head_first)) + int_max + L(self.state_head)
-            + self.obs_bound(max_obs_pieces * env_max, max_obs_tokens) + L(self.newline) + L(self.warning) + L(self.you_have) + int_max
-            + L(self.tail) + L(self.gen_prompt) + L(self.forced)
-        )
         self.preamble_text = framing.preamble + (system_text.strip() if strip else system_text) + framing.system_to_user
         self.preamble_ids = np.asarray(encode(tokenizer, self.preamble_text), np.int32)
         if decode(tokenizer, self.preamble_ids) != self.preamble_text:
             raise ValueError("the tokenizer does not round-trip the system prompt; use a lossless tokenizer")
         self.forced_len = L(self.forced)
         self.end_len = L(self.end_full)
+
+    def _max_chunk_len(self, t: TokenTable, num_env_pieces: int, max_int: int, max_obs_pieces: int,
+                       max_obs_tokens: int | None) -> int:
+        """Static bound on a turn chunk's length: the longest candidate of every slot."""
+        L = t.length
+        env_max = max(L(self.env_offset + i) for i in range(num_env_pieces)) if num_env_pieces else 0
+        int_max = max(L(self.int_offset + i) for i in range(max_int + 1))
+        rew_max = max(L(self.reward_offset + i) for i in range(2 * self.reward_kmax + 1))
+        return (
+            max(L(self.close_full), L(self.close_rest))
+            + L(self.reward_head) + max(rew_max, L(self.reward_zero)) + L(self.newline)
+            + max(L(self.turn_head), L(self.turn_head_first)) + int_max + L(self.state_head)
+            + self.obs_bound(max_obs_pieces * env_max, max_obs_tokens) + L(self.newline) + L(self.warning)
+            + L(self.you_have) + int_max + L(self.tail) + L(self.gen_prompt) + L(self.forced)
+        )
 
     @staticmethod
     def obs_bound(safe: int, requested: int | None) -> int:

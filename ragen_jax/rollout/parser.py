@@ -106,6 +106,25 @@ def _remove_all(buf, n, tag: bytes):
     return _compact(buf, valid & ~covered)
 
 
+def _match_actions(ans, starts, ends, n_parsed, vocab: ActionVocab, max_actions: int):
+    """Compare each kept part ``ans[starts[k]:ends[k] + 1]`` with each action name (ASCII
+    lower-case). -> ``(action ids int32 [max_actions], valid ones first, -1 after; their count)``."""
+    length = ans.shape[0]
+    j = jnp.arange(vocab.table.shape[1])
+    gather = jnp.minimum(starts[:, None] + j[None, :], length - 1)
+    part = ans[gather]
+    part = jnp.where((part >= ord("A")) & (part <= ord("Z")), part + 32, part)
+    names = jnp.asarray(vocab.table)
+    lens = jnp.asarray(vocab.lengths)
+    same = (part[:, None, :] == names[None, :, :]) | (j[None, None, :] >= lens[None, :, None])
+    eq = jnp.all(same, axis=-1) & ((ends - starts + 1)[:, None] == lens[None, :])  # [A, num_actions]
+    slot_ok = jnp.any(eq, axis=-1) & (jnp.arange(max_actions) < n_parsed)
+    action = jnp.argmax(eq, axis=-1).astype(jnp.int32)
+    n_valid = jnp.sum(slot_ok).astype(jnp.int32)
+    dest = jnp.where(slot_ok, jnp.cumsum(slot_ok) - 1, max_actions)
+    return jnp.full((max_actions,), -1, jnp.int32).at[dest].set(action, mode="drop"), n_valid
+
+
 def parse_reply(buf, n, vocab: ActionVocab, max_actions: int, enable_think: bool = True) -> ParsedReply:
     """Parse one reply. ``buf`` uint8 ``[L]`` (forced prefix included), ``n`` int32 [] valid bytes."""
     length = buf.shape[0]
@@ -163,21 +182,7 @@ def parse_reply(buf, n, vocab: ActionVocab, max_actions: int, enable_think: bool
     ends = jnp.full((max_actions,), -1, jnp.int32).at[slot].max(idx, mode="drop")
     n_parsed = jnp.minimum(n_parts, max_actions)
 
-    # Compare each kept part with each action name (ASCII lower-case).
-    width = vocab.table.shape[1]
-    j = jnp.arange(width)
-    gather = jnp.minimum(starts[:, None] + j[None, :], length - 1)
-    part = ans[gather]
-    part = jnp.where((part >= ord("A")) & (part <= ord("Z")), part + 32, part)
-    names = jnp.asarray(vocab.table)
-    lens = jnp.asarray(vocab.lengths)
-    same = (part[:, None, :] == names[None, :, :]) | (j[None, None, :] >= lens[None, :, None])
-    eq = jnp.all(same, axis=-1) & ((ends - starts + 1)[:, None] == lens[None, :])  # [A, num_actions]
-    slot_ok = jnp.any(eq, axis=-1) & (jnp.arange(max_actions) < n_parsed)
-    action = jnp.argmax(eq, axis=-1).astype(jnp.int32)
-    n_valid = jnp.sum(slot_ok).astype(jnp.int32)
-    dest = jnp.where(slot_ok, jnp.cumsum(slot_ok) - 1, max_actions)
-    actions = jnp.full((max_actions,), -1, jnp.int32).at[dest].set(action, mode="drop")
+    actions, n_valid = _match_actions(ans, starts, ends, n_parsed, vocab, max_actions)
     penalty = (n_valid == 0) | (n_valid != n_parsed)
     return ParsedReply(
         matched=matched,

@@ -343,7 +343,26 @@ def mi_estimates(
         out[f"mi_zscore_ema{suffix}"] = _masked_mean(gap / (ema_std + std_eps), z_valid)
     out["mi_upper_bound"] = jnp.log(n_f)
 
-    # Retrieval: predict the column with the highest per-token log-prob (the per-sequence matrix has the
+    out.update(_retrieval_metrics(l_mean, z_valid, x_valid, true_col, col_equiv, num_cols))
+    out["num_samples"] = num_rows.astype(jnp.float32)
+    out["num_prompts"] = num_cols.astype(jnp.float32)
+
+    out = {k: jnp.where(ok, v, 0.0).astype(jnp.float32) for k, v in out.items()}
+    out["computed"] = ok.astype(jnp.float32)
+    state = state.replace(
+        ema_std=jnp.where(ok, new_ema[""], state.ema_std),
+        ema_std_seq=jnp.where(ok, new_ema["_seq"], state.ema_std_seq),
+        ema_initialised=state.ema_initialised | ok,
+        num_computed=state.num_computed + ok.astype(jnp.int32),
+    )
+    return out, state
+
+
+def _retrieval_metrics(l_mean, z_valid, x_valid, true_col, col_equiv, num_cols) -> dict[str, jax.Array]:
+    """Retrieval accuracy@k against chance: does a reasoning's own prompt score it highest?"""
+    out = {}
+    n_f = jnp.maximum(num_cols, 1).astype(jnp.float32)
+    # Predict the column with the highest per-token log-prob (the per-sequence matrix has the
     # same argmax per row, it differs by the positive factor len(z_i)). Equivalent prompts count as hits.
     masked = jnp.where(x_valid[None, :], l_mean, -jnp.inf)
     num_x = l_mean.shape[1]
@@ -364,18 +383,7 @@ def mi_estimates(
         out[f"retrieval_accuracy@{k}"] = acc
         out[f"retrieval_chance_level@{k}"] = chance_k
         out[f"retrieval_above_chance@{k}"] = acc - chance_k
-    out["num_samples"] = num_rows.astype(jnp.float32)
-    out["num_prompts"] = num_cols.astype(jnp.float32)
-
-    out = {k: jnp.where(ok, v, 0.0).astype(jnp.float32) for k, v in out.items()}
-    out["computed"] = ok.astype(jnp.float32)
-    state = state.replace(
-        ema_std=jnp.where(ok, new_ema[""], state.ema_std),
-        ema_std_seq=jnp.where(ok, new_ema["_seq"], state.ema_std_seq),
-        ema_initialised=state.ema_initialised | ok,
-        num_computed=state.num_computed + ok.astype(jnp.int32),
-    )
-    return out, state
+    return out
 
 
 def classify_regime(

@@ -244,6 +244,21 @@ def _weighted_group_mean(per_group: Array, weights: Array) -> Array:
     return jnp.where(total > 0, jnp.sum(per_group * weights) / jnp.where(total > 0, total, 1.0), 0.0)
 
 
+def _group_matrix(per_row: Optional[Array], source: str, metric: str, group_size: int) -> Array:
+    """float32 ``[num_groups, group_size]`` of the metric's per-row values, with the input checks."""
+    if per_row is None:
+        arg = {"reward": "episode_scores", "length": "response_lengths", "entropy": "row_entropy"}
+        raise ValueError(f"Filter metric {metric!r} needs {arg[source]} [B]; it was not given.")
+    per_row = jnp.asarray(per_row, jnp.float32)
+    if per_row.ndim != 1:
+        raise ValueError(f"Filter metric {metric!r} reads one value per row, [B]; got shape {per_row.shape}.")
+    batch = per_row.shape[0]
+    if not isinstance(group_size, int) or group_size < 1 or batch % group_size:
+        raise ValueError(f"Batch of {batch} rows must be num_groups contiguous blocks of "
+                         f"group_size={group_size!r}.")
+    return per_row.reshape(batch // group_size, group_size)
+
+
 def rollout_filter(
     *,
     group_size: int,
@@ -283,19 +298,8 @@ def rollout_filter(
     FILTER_TYPES.validate(filter_type)
     TOP_P_MODES.validate(top_p_mode)
     sources = {"reward": episode_scores, "length": response_lengths, "entropy": row_entropy}
-    per_row = sources[score_def.source]
-    if per_row is None:
-        arg = {"reward": "episode_scores", "length": "response_lengths", "entropy": "row_entropy"}
-        raise ValueError(f"Filter metric {metric!r} needs {arg[score_def.source]} [B]; it was not given.")
-    per_row = jnp.asarray(per_row, jnp.float32)
-    if per_row.ndim != 1:
-        raise ValueError(f"Filter metric {metric!r} reads one value per row, [B]; got shape {per_row.shape}.")
-    batch = per_row.shape[0]
-    if not isinstance(group_size, int) or group_size < 1 or batch % group_size:
-        raise ValueError(f"Batch of {batch} rows must be num_groups contiguous blocks of "
-                         f"group_size={group_size!r}.")
-    num_groups = batch // group_size
-    matrix = per_row.reshape(num_groups, group_size)
+    matrix = _group_matrix(sources[score_def.source], score_def.source, metric, group_size)
+    num_groups = matrix.shape[0]
     scores = score_def.reduce(matrix)
 
     is_zero = jnp.abs(scores) <= ZERO_SCORE_TOL
