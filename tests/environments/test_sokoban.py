@@ -280,7 +280,7 @@ def test_auto_reset_generates_fresh_levels_for_finished_lanes_only(levels, gen):
     # Same generator as the default env; chunks of 4 and 16 (two compiled sizes keep the test quick)
     # so the 203 finished lanes below take several trips of both sizes.
     env = Sokoban(reset_chunk=16)
-    assert env._chunks_for(b) == (4, 16)
+    assert env.generator._chunks_for(b) == (4, 16)
     params = env.default_params()
     states = jax.tree.map(jnp.asarray, levels)
     # Lanes 0, 5, 9 are one step from truncation; lanes 100..299 too (a chunk-sized group).
