@@ -50,7 +50,9 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
 class EarlyStop:
     """Three early-stop signals, always computed and logged; stopping is optional (config.trainer).
 
-    * empty filter: ``consecutive_empty`` batches left empty by the SNR filter (spec §5.1.4);
+    * empty filter: ``consecutive_empty`` batches left empty by the SNR filter (spec §5.1.4), as
+      the update step counts them (``TrainState.consecutive_empty``, its
+      ``rollout/consecutive_empty_after_filter_steps`` metric): one counter, on the device;
     * reward-variance collapse (spec §5.1.6): baseline = mean in-group reward std over the first
       ``baseline_steps`` non-empty steps; collapse when ``window`` consecutive later steps are all
       below ``ratio`` × baseline;
@@ -72,9 +74,11 @@ class EarlyStop:
     return_history: list = dataclasses.field(default_factory=list)
     mi_below: int = 0
 
-    def update(self, *, empty: bool, reward_std: float, episode_return: float, mi: float | None) -> dict:
-        """Feed one training step; returns the ``early_stop/*`` metrics (flags as 0/1)."""
-        self.consecutive_empty = self.consecutive_empty + 1 if empty else 0
+    def update(self, *, consecutive_empty: int, reward_std: float, episode_return: float, mi: float | None) -> dict:
+        """Feed one training step (``consecutive_empty``: the update's counter, 0 = this batch kept
+        something); returns the ``early_stop/*`` metrics (flags as 0/1)."""
+        self.consecutive_empty = int(consecutive_empty)
+        empty = self.consecutive_empty > 0
         self.return_history.append(float(episode_return))
         rv_collapse = False
         if not empty:

@@ -321,7 +321,7 @@ def _steps(spec: RunSpec, start_step: int):
 def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
     """Advance the early-stop signals (their ``early_stop/*`` values join ``metrics``) and the curves."""
     mi, ce, computed = _mi_values(metrics)
-    metrics.update(host.early.update(empty=bool(metrics.get("rollout/empty_after_filter", 0.0)),
+    metrics.update(host.early.update(consecutive_empty=int(metrics["rollout/consecutive_empty_after_filter_steps"]),
                                      reward_std=metrics["train/in_group_reward_std"],
                                      episode_return=metrics["train/return"], mi=mi))
     host.history["train"].append([step, metrics["train/success"]])

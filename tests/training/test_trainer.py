@@ -206,3 +206,18 @@ def test_max_seq_len_that_cuts_episodes_is_logged_and_warned(tmp_path, capsys):
     events = read_events(tmp_path / "tensorboard")
     assert [v for _, v in events["train/truncated"]] == [1.0, 1.0]
     assert all(v == 1.0 for _, v in events["train/num_turns"])
+
+
+def test_early_stop_reads_the_update_steps_empty_counter():
+    """One empty-filter counter: the update step's. Hand-worked: baseline of 2 non-empty steps
+    (std 1.0, 1.0), collapse after 2 consecutive later steps below 0.1 × 1.0; empty steps neither
+    extend the baseline nor break the run of low steps."""
+    from ragen_jax.training.metrics import EarlyStop
+
+    early = EarlyStop(baseline_steps=2, window=2, ratio=0.1)
+    seen = []
+    for consecutive_empty, std in ((0, 1.0), (1, 0.0), (0, 1.0), (0, 0.05), (2, 0.0), (0, 0.05)):
+        m = early.update(consecutive_empty=consecutive_empty, reward_std=std, episode_return=0.0, mi=None)
+        seen.append((m["early_stop/consecutive_empty_after_filter_steps"], m["early_stop/reward_variance_collapse"]))
+    assert early.rv_history == [1.0, 1.0, 0.05, 0.05]
+    assert seen == [(0.0, 0.0), (1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (2.0, 0.0), (0.0, 1.0)]
