@@ -109,7 +109,8 @@ def sequence_logprobs(
 
 
 def make_logprob_fn(model, *, chunk_size: int):
-    """``tokens [n, S] -> logp [n, S]`` under ``model`` (the scorer of the collapse diagnostics)."""
+    """``tokens [n, S] -> logp [n, S]`` under ``model``: the collapse diagnostics' scorer of whole
+    ``[x | z]`` sequences (``collapse.prefix_cache=False``; the update passes it either way)."""
 
     def fn(tokens):
         logp, _, _ = sequence_logprobs(model, tokens, chunk_size=chunk_size, with_entropy=False)

@@ -46,7 +46,8 @@ from ragen_jax.starpo import collapse as collapse_lib
 from ragen_jax.starpo import losses
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
-from ragen_jax.starpo.logprobs import make_prefix_cached_cross_scorer, positions_for, sequence_logprobs
+from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
+                                      sequence_logprobs)
 
 PyTree = Any
 
@@ -347,19 +348,11 @@ def diagnose_collapse(graphdefs: Graphdefs, cfg: StarPOConfig, collapse_cfg: Col
                       traj: Trajectory, rows, key: jax.Array, num_groups: int):
     """Stage 2: the MI proxy on the pre-filter batch, scored by the policy before this update
     (computed on the steps ``collapse.should_compute`` picks). -> ``(metrics, collapse state)``."""
-    policy_rest = state.rest[0]
+    policy = nnx.merge(graphdefs.policy, state.params, state.rest[0])
     chunk = cfg.logprob_chunk_size
-
-    def policy_logprob_fn(tokens):
-        policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
-        return sequence_logprobs(policy, tokens, chunk_size=chunk, with_entropy=False)[0]
-
-    cross_fn = None
-    if collapse_cfg.prefix_cache:
-        cross_fn = make_prefix_cached_cross_scorer(nnx.merge(graphdefs.policy, state.params, policy_rest),
-                                                   logprob_chunk_size=chunk)
-    return collapse_lib.maybe_collapse_metrics(policy_logprob_fn, traj, state.collapse, key, state.step,
-                                               collapse_cfg, num_groups=num_groups, cross_fn=cross_fn,
+    cross_fn = make_prefix_cached_cross_scorer(policy, logprob_chunk_size=chunk) if collapse_cfg.prefix_cache else None
+    return collapse_lib.maybe_collapse_metrics(make_logprob_fn(policy, chunk_size=chunk), traj, state.collapse, key,
+                                               state.step, collapse_cfg, num_groups=num_groups, cross_fn=cross_fn,
                                                turn_rows=rows)
 
 
