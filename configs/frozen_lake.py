@@ -10,29 +10,16 @@ final validation) at ``trainer.time_limit_minutes=14`` if a slow machine has not
 steps by then; start-up and that validation fit in the 15th minute.
 
 What makes a from-scratch 64-wide model learn the task at all is reading the player's and the
-goal's cells off the grid, in every turn. Four choices do that within the budget:
-  * ``rope_theta=100`` instead of 10,000: the rotary frequencies then resolve offsets of one to a
-    few dozen tokens (a 4×4 board spans 20), so attention heads can tell the cells apart;
-  * 8 heads of width 8 instead of 4 of width 16: locating the player's row and column and the
-    goal's takes several position-reading heads (with 4, the model typically learned one object's
-    coordinates and stayed at chance on the other's);
-  * limited context with a one-turn window (``rollout.context_mode="limited"``, RAGEN's
-    ``limited_multi_turn``): each turn shows the system prompt and the current board only
-    (FrozenLake is Markov), so every turn reads like a first turn. Measured against the whole
-    conversation from the same first-turn phase: after the warm-up every validation turn names both
-    cells right (77% with whole conversations) and validation success is 0.781 (0.699); the warm-up
-    takes 4.7 minutes (6.8: its second phase trains on single turns), and a StarPO step 2.0 s
-    (2.9 s: rollout and update run on one turn's context instead of the whole conversation);
-  * the warm-up first trains on first-turn conversations (FrozenLake is Markov, so a start state is
-    also a mid-episode state), then on every turn of whole expert episodes. Learning to read both
-    objects' coordinates sits on a plateau at chance whose length depends on the initialisation
-    and even on the floating-point path (~600 to over 2,200 steps), so the first-turn phase is sized
-    by what it is for: it ends once the model names both cells exactly on 95% of 256 held-out boards
-    (``warmup.reading_target``, checked every 200 steps, at most 3,000 steps).
+goal's cells off the grid in every turn: ``rope_theta=100`` (short-range position resolution), 8
+heads of width 8, limited context with a one-turn window (``rollout.context_mode="limited"``,
+RAGEN's ``limited_multi_turn``: FrozenLake is Markov, so every turn reads like a first turn), and a
+warm-up whose first-turn phase ends once the model names both cells exactly on 95% of 256 held-out
+boards (``warmup.reading_target``; the plateau before that varies from ~600 to over 2,200 steps).
+The measurements behind each choice are in ``docs/experiments.md``.
 
 The learning rates and warm-up here are for the tiny preset: with a pretrained preset pass the
-original's ``--config.starpo.actor_lr=1e-6`` (and a warm-up sized for it), as in the README's SmolLM2
-command. The sizes are chosen for a 2-core CPU; for real models use the RAGEN defaults of base.py:
+original's ``--config.starpo.actor_lr=1e-6`` (and a warm-up sized for it), as in the SmolLM2
+command of ``docs/experiments.md``. The sizes are chosen for a 2-core CPU; for real models use the RAGEN defaults of base.py:
     --config.model.preset=qwen2.5-0.5b --config.model.path=/path --config.rollout.num_groups=8 ...
 """
 from configs import base
@@ -53,10 +40,7 @@ def get_config():
     c.model.tiny.head_dim = 8
     c.model.tiny.rope_theta = 100.0  # short-range position resolution (see the docstring)
 
-    # 8 start states × 4 samples rather than 4 × 8 (same 32 episodes a step): from the same warm-up,
-    # validation after 50 / 100 StarPO steps was 0.762 / 0.770 and 0.777 / 0.789 (two RL seeds)
-    # against 0.707 / 0.711 with 4 × 8 — more states per update beat a finer in-group baseline here.
-    # 16 × 2 reached 0.766 at 50 steps but fell back to 0.695 (most pairs tie and are filtered).
+    # 8 start states × 4 samples rather than 4 × 8 (same 32 episodes a step; docs/experiments.md).
     c.rollout.num_groups = 8
     c.rollout.group_size = 4
     c.rollout.max_turns = 3  # 3 turns × 2 actions: every 4×4 map's shortest path fits
@@ -73,10 +57,7 @@ def get_config():
     c.starpo.adv_estimator = "grpo"
     c.starpo.mini_batch_size = 16  # two policy updates per rollout batch of 32
     c.starpo.actor_lr = 5e-4  # below the tiny preset's 1e-3: RL refines a warmed-up policy
-    # Cosine decay over 400 optimizer steps: the SNR filter usually leaves one kept mini-batch per
-    # step, so by step 200 the rate is ~60% of its peak. From the same warm-up (validation 0.781),
-    # validation after 50 / 100 / 150 / 200 steps was 0.809 / 0.801 / 0.801 / 0.824 against a
-    # constant rate's 0.781 / 0.820 / 0.805 / 0.793.
+    # Cosine decay over 400 optimizer steps (~60% of the peak by step 200; docs/experiments.md).
     c.starpo.lr_schedule = "cosine"
     c.starpo.lr_decay_steps = 400
     c.starpo.min_lr_ratio = 0.1
