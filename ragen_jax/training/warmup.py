@@ -332,17 +332,21 @@ def bc_data(demos: list[Trajectory], per_turn_rows: tuple[int, int] | None = Non
     return arrays, success, data.tokens.shape[0]
 
 
-def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Callable[[int], float]:
-    """Learning rate at (0-based) step ``i``: linear warm-up over ``warm`` steps, constant, then a
-    cosine decay to 10% over the ``decay_steps`` steps from ``decay_start``."""
+def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Callable[[int], np.float32]:
+    """Learning rate at (0-based) step ``i``: linear warm-up over ``warm`` steps (first step
+    ``peak / warm``), constant, then a cosine decay to 10% over the ``decay_steps`` steps from
+    ``decay_start`` — an optax schedule, evaluated on the host in float64 and rounded once to
+    float32: a float32 evaluation differs in the last bits, and the first-turn phase's reading
+    plateau moves with any such change (``docs/experiments.md``)."""
+    rise = optax.linear_schedule(peak / warm, peak, warm - 1) if warm > 1 else optax.constant_schedule(peak)
+    decay = optax.cosine_decay_schedule(peak, max(decay_steps, 1), alpha=0.1)
+    start = max(decay_start, warm)  # the decay never interrupts the warm-up ...
+    late = start - decay_start  # ... but counts its steps from decay_start
+    schedule = optax.join_schedules([rise, optax.constant_schedule(peak), lambda c: decay(c + late)], [warm, start])
 
-    def lr(i: int) -> float:
-        if i < warm:
-            return peak * (i + 1) / warm
-        if i < decay_start:
-            return peak
-        frac = min(1.0, (i - decay_start) / max(decay_steps, 1))
-        return peak * (0.1 + 0.9 * 0.5 * (1.0 + np.cos(np.pi * frac)))
+    def lr(i: int) -> np.float32:
+        with jax.enable_x64(True):
+            return np.float32(float(schedule(i)))
 
     return lr
 

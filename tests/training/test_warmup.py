@@ -336,3 +336,23 @@ def test_limited_context_warmup_trains_each_turn_on_its_window(setup):
         assert codec_lib.decode(tok, row) == row_text
         assert codec_lib.decode(tok, np.asarray(tokens[i])[np.asarray(loss_mask[i])]) == reply
     assert success == pytest.approx(float(np.mean(np.concatenate([np.asarray(d.success) for d in demos]))))
+
+
+@pytest.mark.parametrize("warm, decay_start, decay_steps", [(180, 1800, 600), (180, 3000, 600), (50, 10, 30),
+                                                             (1, 0, 2), (5, 5, 0)])
+def test_warmup_learning_rate_schedule_matches_the_formula(warm, decay_start, decay_steps):
+    """The optax schedule gives, bit for bit in float32, the formula the warm-up was tuned with:
+    linear rise to the peak over ``warm`` steps, constant, cosine to 10% over ``decay_steps``."""
+    from ragen_jax.training.warmup import _phase_lr
+
+    peak = 3e-3
+    lr = _phase_lr(peak, warm, decay_start, decay_steps)
+    for i in range(decay_start + decay_steps + warm + 3):
+        if i < warm:
+            want = peak * (i + 1) / warm
+        elif i < decay_start:
+            want = peak
+        else:
+            frac = min(1.0, (i - decay_start) / max(decay_steps, 1))
+            want = peak * (0.1 + 0.9 * 0.5 * (1.0 + np.cos(np.pi * frac)))
+        assert lr(i) == np.float32(want), (i, lr(i), want)
