@@ -220,11 +220,12 @@ class Decoder(nnx.Module):
 
     embed_tokens [V, D]; layers (a list of DecoderLayer, or one DecoderLayer whose weights carry a
     leading [L] axis when cfg.scan_layers); norm; lm_head [D, V] unless tie_word_embeddings (then
-    the logits use embed_tokens transposed).
+    the logits use embed_tokens transposed) or ``lm_head=False`` (a trunk that only gives hidden states).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lm_head: bool = True):
         self.cfg = cfg
+        self.has_lm_head = lm_head or cfg.tie_word_embeddings
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
                                       param_dtype=cfg.weight_dtype,
                                       embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
@@ -238,7 +239,7 @@ class Decoder(nnx.Module):
         else:
             self.layers = nnx.List(layers)
         self.norm = _rms_norm(cfg, rngs)
-        if not cfg.tie_word_embeddings:
+        if lm_head and not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array,
@@ -303,6 +304,9 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, T, D] -> logits float32 [B, T, V] (matmul in cfg.dtype, accumulated in float32)."""
         dtype = self.cfg.compute_dtype
+        if not self.has_lm_head:
+            raise ValueError("this Decoder was built with lm_head=False (a critic's trunk): it has hidden states, "
+                             "no logits")
         if self.cfg.tie_word_embeddings:
             w = self.embed_tokens.embedding[...].astype(dtype)  # [V, D]
             return jnp.einsum("btd,vd->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
@@ -337,13 +341,20 @@ class ValueHead(nnx.Module):
 class Critic(nnx.Module):
     """A separate critic: its own Decoder trunk + ValueHead. `values, cache = critic(tokens, positions)`.
 
-    The trunk is a full Decoder (its lm_head is kept so a policy checkpoint loads unchanged; it is
-    simply unused here). values: float32 [B, T], value of the state ending at token t.
+    The trunk is a Decoder without an LM head (with untied embeddings that is a [D, V] matrix, e.g.
+    545M of Qwen2.5-7B's parameters, plus its two AdamW moments, that a critic never uses);
+    ``init_trunk_from(policy)`` starts it from a policy's weights (spec §5.5). values: float32
+    [B, T], value of the state ending at token t.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.trunk = Decoder(cfg, rngs=rngs)
+        self.trunk = Decoder(cfg, rngs=rngs, lm_head=False)
         self.value_head = ValueHead(cfg, rngs=rngs)
+
+    def init_trunk_from(self, policy: Decoder) -> None:
+        """Copy ``policy``'s trunk weights (everything but its LM head) into this critic's trunk."""
+        params = nnx.state(policy, nnx.Param)
+        nnx.update(self.trunk, nnx.State({k: v for k, v in params.items() if k != "lm_head"}))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:

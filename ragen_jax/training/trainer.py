@@ -116,7 +116,7 @@ def setup(spec: RunSpec) -> Setup:
         critic = Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 2))
         if spec.preset != "tiny":
             # The critic starts from the same pretrained checkpoint as the policy (spec §5.5).
-            nnx.update(critic.trunk, nnx.state(model, nnx.Param))
+            critic.init_trunk_from(model)
     graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
     # The update donates its input state: every leaf must own its buffer (init may share one zero).
     train_state = _own_buffers(train_state)

@@ -322,3 +322,23 @@ def test_config_reads_legacy_rope_keys():
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
     assert cfg.num_kv_heads == 2 and cfg.head_dim == 4
     hash(cfg)  # static under jit
+
+
+def test_separate_critic_has_no_lm_head_and_starts_from_the_policy():
+    """Untied embeddings: the critic's trunk holds every policy weight but the [D, V] LM head, and
+    ``init_trunk_from`` copies them exactly, so its hidden states are the policy's."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+    policy = Decoder(cfg, rngs=nnx.Rngs(0))
+    critic = Critic(cfg, rngs=nnx.Rngs(1))
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
+    assert "lm_head" not in nnx.state(critic.trunk, nnx.Param)
+    assert count(policy) - count(critic.trunk) == cfg.hidden_size * cfg.vocab_size
+    with pytest.raises(ValueError, match="lm_head=False"):
+        critic.trunk.logits(jnp.zeros((1, 1, cfg.hidden_size)))
+    critic.init_trunk_from(policy)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5))
+    h_policy, _ = policy.hidden(jnp.asarray(tokens), jnp.asarray(positions))
+    h_critic, _ = critic.trunk.hidden(jnp.asarray(tokens), jnp.asarray(positions))
+    np.testing.assert_array_equal(np.asarray(h_policy), np.asarray(h_critic))
