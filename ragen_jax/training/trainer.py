@@ -117,9 +117,8 @@ def setup(spec: RunSpec) -> Setup:
         if spec.preset != "tiny":
             # The critic starts from the same pretrained checkpoint as the policy (spec §5.5).
             critic.init_trunk_from(model)
+    # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
     graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
-    # The update donates its input state: every leaf must own its buffer (init may share one zero).
-    train_state = _own_buffers(train_state)
     rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout)
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
     # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
@@ -131,6 +130,7 @@ def setup(spec: RunSpec) -> Setup:
 
 
 def _own_buffers(tree):
+    """A copy of every array leaf: restored checkpoints are donated to the update like fresh state."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 

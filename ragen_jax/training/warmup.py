@@ -376,14 +376,16 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     Each step runs the system prompt every demonstration starts with once, not once per row
     (``shared_prefix_length``, ``bc_loss(prefix_len=...)``).
 
-    ``warmup_cfg`` keys: steps, single_turn_steps, batch_size, lr, num_states, action_noise, seed,
-    log_every, and optionally reading_target (0 = run all ``single_turn_steps``), check_every,
-    heldout_states.
+    ``warmup_cfg``: the ``config.warmup`` section (``training.sections.WarmupConfig``'s keys; missing
+    ones take its defaults).
     """
+    from ragen_jax.training.sections import WarmupConfig, section_from_dict
+
     t0 = time.time()
+    warmup_cfg = section_from_dict(WarmupConfig, "warmup", warmup_cfg)
     phases, check = _warmup_phases(rollout, params, warmup_cfg)
     conv_steps = int(warmup_cfg.steps)
-    total = conv_steps + int(warmup_cfg.get("single_turn_steps", 0))
+    total = conv_steps + int(warmup_cfg.single_turn_steps)
     # The learning rate is set on the host before every step: where phase 2's decay starts is only
     # known once phase 1 has ended.
     tx = optax.chain(optax.clip_by_global_norm(1.0),
@@ -416,7 +418,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
 def _warmup_phases(rollout: Rollout, params, warmup_cfg):
     """``([(name, steps, demonstrations)], reading_check or None)`` for the configured phases."""
-    single_steps = int(warmup_cfg.get("single_turn_steps", 0))
+    single_steps = int(warmup_cfg.single_turn_steps)
     conv_steps = int(warmup_cfg.steps)
 
     def states_for(n_steps):  # no more distinct states than the phase can visit
@@ -431,9 +433,9 @@ def _warmup_phases(rollout: Rollout, params, warmup_cfg):
         phases.append(("single_turn", single_steps,
                        demonstrations(one_turn, params, states_for(single_steps), warmup_cfg.seed + 1,
                                       warmup_cfg.action_noise)))
-        if float(warmup_cfg.get("reading_target", 0.0)) > 0:
+        if float(warmup_cfg.reading_target) > 0:
             # Held-out start states (another seed) with noise-free expert replies.
-            batches = list(_demonstration_batches(one_turn, params, int(warmup_cfg.get("heldout_states", 256)),
+            batches = list(_demonstration_batches(one_turn, params, int(warmup_cfg.heldout_states),
                                                   warmup_cfg.seed + 2))
             (held_tokens, held_loss, held_valid), _, _ = bc_data([t for t, _ in batches])
             held_mask = np.asarray(held_loss & held_valid)
@@ -473,8 +475,8 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
     prefix = shared_prefix_length(np.asarray(tokens), np.asarray(loss_mask & valid_mask))
     step_fn = make_bc_step(rollout.graphdef, tx, prefix)
     run.summary[f"warmup/{name}_shared_prefix_tokens"] = float(prefix)
-    target = float(warmup_cfg.get("reading_target", 0.0))
-    check_every = int(warmup_cfg.get("check_every", 200))
+    target = float(warmup_cfg.reading_target)
+    check_every = int(warmup_cfg.check_every)
     order, cursor = run.rng.permutation(n), 0
     for i in range(n_steps):
         if cursor + bs > n:
