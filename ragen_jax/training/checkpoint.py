@@ -152,9 +152,11 @@ class Checkpointer:
         """``{array path: shape}`` of checkpoint ``step``, from its metadata (no array is read)."""
         return _shapes(self._manager.item_metadata(step)["state"])
 
-    def check_fits(self, like: Any, step: int) -> None:
-        """Raise ``CheckpointMismatch`` when checkpoint ``step``'s arrays do not fit ``like``'s."""
-        problem = structure_mismatch(self.saved_shapes(step), _shapes(_encode(like)))
+    def check_fits(self, like: Any, step: int, saved: dict | None = None) -> None:
+        """Raise ``CheckpointMismatch`` when checkpoint ``step``'s arrays (``saved``: its
+        ``saved_shapes``, read here when not given) do not fit ``like``'s."""
+        saved = self.saved_shapes(step) if saved is None else saved
+        problem = structure_mismatch(saved, _shapes(_encode(like)))
         if problem:
             raise CheckpointMismatch(f"checkpoint {self.directory}/{step} does not fit the state built from "
                                      f"this config: {problem}")
@@ -169,9 +171,12 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}; train first or set trainer.resume=False")
         self.check_fits(like, step)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+        out = self._read(like, step)
         return _decode(out["state"], like), dict(out["meta"]), step
+
+    def _read(self, like: Any, step: int):
+        return self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
 
     def restore_latest_intact(self, like: Any, set_aside: bool = True) -> tuple[Any, dict, int, list[tuple[int, str]]]:
         """Restore the newest checkpoint that reads back whole; returns ``(state, meta, step, skipped)``.
@@ -189,13 +194,9 @@ class Checkpointer:
             try:
                 with _quiet_stderr(log):
                     shapes = self.saved_shapes(step)
-                problem = structure_mismatch(shapes, _shapes(_encode(like)))
-                if problem:
-                    raise CheckpointMismatch(f"checkpoint {self.directory}/{step} does not fit the state built "
-                                             f"from this config: {problem}")
+                self.check_fits(like, step, shapes)
                 with _quiet_stderr(log):
-                    out = self._manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+                    out = self._read(like, step)
             except CheckpointMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
