@@ -62,6 +62,11 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
             if a.get(k, missing) != b.get(k, missing)]
 
 
+def run_changes(saved: dict, config) -> list[tuple[str, Any, Any]]:
+    """The ``config_changes`` of ``config`` against a run's saved config that alter the run itself."""
+    return [c for c in config_changes(saved, config_as_json(config)) if c[0] not in RESUME_SAFE_KEYS]
+
+
 def format_changes(changes: list[tuple[str, Any, Any]]) -> str:
     return ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
 
@@ -142,7 +147,7 @@ def check_eval_workdir(config) -> list[str]:
     saved = saved_config(workdir)
     if saved is None or not checkpoint_steps(workdir):
         return []
-    changes = [c for c in config_changes(saved, config_as_json(config)) if c[0] not in RESUME_SAFE_KEYS]
+    changes = run_changes(saved, config)
     wrong = [c for c in changes if c[0].startswith(EVAL_MUST_MATCH)]
     if wrong:
         raise ConfigError(
@@ -160,7 +165,7 @@ def explain_mismatch(config) -> str:
     if saved is None:
         return (f"{workdir / 'config.json'} is missing, so the run's config cannot be compared: use the config "
                 "the run was trained with (model.* and starpo.critic decide the shapes)")
-    changes = [c for c in config_changes(saved, config_as_json(config)) if c[0] not in RESUME_SAFE_KEYS]
+    changes = run_changes(saved, config)
     if changes:
         return f"config keys that differ from the run's ({workdir / 'config.json'}): {format_changes(changes)}"
     return ("the config matches the run's config.json, so the checkpoint was written by another version of "
