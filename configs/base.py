@@ -15,6 +15,7 @@ an unknown key fails with the allowed names):
   trainer   ragen_jax.training.sections.TrainerConfig (steps, logging, checkpoints, cadences, early stop)
   warmup    ragen_jax.training.sections.WarmupConfig (behaviour cloning before RL)
   eval      ragen_jax.training.sections.EvalConfig (fixed validation seeds, temperature, pass@k)
+  mesh      ragen_jax.training.sections.MeshConfig (device mesh: data, fsdp, tensor axis sizes)
 
 ``None`` values (placeholders) mean "the preset's recommended value", resolved in one place
 (``ragen_jax.training.configuration.resolve``) and printed at start-up: e.g. the learning rates
@@ -61,7 +62,7 @@ def _optional_type(hint):
 def get_config() -> ConfigDict:
     from ragen_jax.rollout.agent import RolloutConfig
     from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
-    from ragen_jax.training.sections import EvalConfig, ModelSection, TrainerConfig, WarmupConfig
+    from ragen_jax.training.sections import EvalConfig, MeshConfig, ModelSection, TrainerConfig, WarmupConfig
 
     c = ConfigDict()
     c.mode = "train"  # train | eval
@@ -105,5 +106,7 @@ def get_config() -> ConfigDict:
     c.warmup = dataclass_section(WarmupConfig)
     # Fixed validation puzzles (spec §4.9): the same seeds at every evaluation.
     c.eval = dataclass_section(EvalConfig)
+    # Device mesh (data × fsdp × tensor = all devices; default: data parallel over every device).
+    c.mesh = dataclass_section(MeshConfig)
     return c
 

@@ -8,8 +8,14 @@
 
 Every key of the config is overridable as ``--config.section.key=value``. A bad key or value stops
 the run before anything is compiled, with one message naming the key and the allowed values.
-Multi-host runs (TPU pods, multi-node GPU) call ``jax.distributed.initialize()`` first: set
-``--distributed`` (the scripts in ``launch/`` do).
+Multi-process runs (TPU pods, multi-node GPU) call ``jax.distributed.initialize()`` first: set
+``--distributed`` (the scripts in ``launch/`` do). Every process runs the same command; together they
+form one mesh (``config.mesh``), each holding its share of every batch, and process 0 alone writes
+TensorBoard, transcripts and the summary. Without a scheduler that jax detects (SLURM, Open MPI,
+Cloud TPU), name the coordinator:
+
+    python -m ragen_jax.launch --distributed --coordinator_address=10.0.0.1:1234 --num_processes=2 \
+        --process_id=0 --config configs/sokoban.py
 """
 from __future__ import annotations
 
@@ -26,7 +32,14 @@ from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Join a multi-process run (jax.distributed.initialize): SLURM, Open MPI and Cloud TPU "
+    "pods are detected from their environment; elsewhere give --coordinator_address, --num_processes and "
+    "--process_id.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (with --distributed, where nothing detects it)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (with --coordinator_address)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (with --coordinator_address)")
 
 
 # Keys of which a run sets one at most. A config file may set one (the shipped ones set
@@ -117,6 +130,20 @@ def apply_exclusive_overrides(config, argv: list[str]) -> list[str]:
     return notes
 
 
+def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None) -> None:
+    """``jax.distributed.initialize`` before any device is touched: afterwards ``jax.devices()`` lists
+    every process's devices and the run's mesh spans them all.
+
+    CPU processes exchange collectives through gloo (XLA's CPU client has no other cross-process
+    transport); GPUs and TPUs use their own, and the setting does not touch them.
+    """
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
 def main(argv) -> None:
     del argv
     from absl import logging as absl_logging
@@ -139,9 +166,7 @@ def main(argv) -> None:
         print(f"note: {note}")
 
     if _DISTRIBUTED.value:
-        import jax
-
-        jax.distributed.initialize()
+        initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     from ragen_jax.models.loading import ModelFileError
     from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.kv_cache import KVCache, SharedPrefix, init_cache, write_layer
-from ragen_jax.models.sharding import constrain_activations
+from ragen_jax.models.sharding import constrain_activations, constrain_embedding_table
 
 __all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
            "rope_tables", "apply_rope", "KVCache", "SharedPrefix", "init_cache"]
@@ -266,7 +266,8 @@ class Decoder(nnx.Module):
         positions = positions.astype(jnp.int32)
         # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
         # boundary; without one constrain_activations is the identity.
-        x = constrain_activations(self.embed_tokens(tokens).astype(cfg.compute_dtype))
+        table = constrain_embedding_table(self.embed_tokens.embedding[...])
+        x = constrain_activations(jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype))
         rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)

@@ -136,7 +136,10 @@ def decoder_from_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndarra
             host = fetch(row, layer, shape)
         host = host.astype(dtype)
         sharding = shard_fn(key, shape) if shard_fn is not None else None
-        var.value = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
+        # Each device receives only its own slice of the host tensor; with several processes this is
+        # also the only way to build an array whose shards live on other hosts' devices.
+        var.value = (jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+                     if sharding is not None else jnp.asarray(host))
 
     if strict:
         unused = sorted(n for n in available - used

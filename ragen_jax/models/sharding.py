@@ -199,3 +199,17 @@ def constrain_activations(x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
     spec = batch_spec(x.shape, mesh)
     target = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
     return jax.lax.with_sharding_constraint(x, target)
+
+
+def constrain_embedding_table(table: jax.Array) -> jax.Array:
+    """The [V, D] embedding table, all-gathered over 'fsdp' for the lookup (vocab split kept).
+
+    A lookup on the FSDP layout (D split over 'fsdp') yields rows split along D, which XLA cannot
+    turn into the batch-split residual stream without replicating it; gathering the table's fsdp
+    shards first (what FSDP does for every weight where it is used) lets each device look up its
+    own rows. Identity without a mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return table
+    return jax.lax.with_sharding_constraint(table, _fit(P("tensor", None), table.shape, mesh))

@@ -52,6 +52,7 @@ from flax import nnx
 
 from ragen_jax.models.kv_cache import KVCache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
+from ragen_jax.models.sharding import cache_shardings
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout import parser as parser_lib
 from ragen_jax.rollout import prompts
@@ -218,10 +219,16 @@ class Rollout:
     ``rollout(params, key)`` draws ``num_groups`` reset keys and a sampling key from ``key``;
     ``rollout.run(params, env_keys [B], sample_key)`` takes explicit per-row env keys (validation).
     Either accepts ``forced=ForcedReplies(...)`` to script the replies.
+
+    With a ``placement`` (``ragen_jax.placement``) the whole episode batch runs as one program over
+    its mesh: rows (env states, transcripts, the KV cache) split over ('data', 'fsdp'), the cache's
+    kv heads over 'tensor', the weights as the partition rules place them. Row ``b`` samples with
+    key ``b`` either way, so the trajectory does not depend on the mesh.
     """
 
-    def __init__(self, graphdef, env, env_params, tokenizer, config: RolloutConfig):
+    def __init__(self, graphdef, env, env_params, tokenizer, config: RolloutConfig, placement=None):
         self.graphdef = graphdef
+        self.placement = placement
         self.env = env
         self.env_params = env_params
         self.tokenizer = tokenizer
@@ -288,7 +295,9 @@ class Rollout:
             self.cache_len = min(config.max_seq_len,
                                  preamble + config.context_window * (self.codec.chunk_len + config.max_new_tokens))
         self.context = CONTEXT_STRATEGIES[config.context_mode](self)
-        self._run = jax.jit(self._rollout)
+        jit = jax.jit if placement is None else placement.jit
+        self._run = jit(self._rollout)
+        self._run_from_key = jit(self._rollout_from_key)
 
     @property
     def per_turn_rows(self) -> tuple[int, int] | None:
@@ -340,16 +349,36 @@ class Rollout:
 
     # ---------------------------------------------------------------------------------------
     def __call__(self, params, key, forced: ForcedReplies | None = None) -> Trajectory:
-        c = self.config
-        env_key, sample_key = jax.random.split(key)
-        group_keys = jax.random.split(env_key, c.num_groups)
-        env_keys = jnp.repeat(group_keys, c.group_size, axis=0)
         if forced is not None:
-            self._check_forced(forced, env_keys.shape[0])
-        return self._run(params, env_keys, sample_key, forced)
+            self._check_forced(forced, self.config.batch_size)
+        key, forced = self._place(key, forced)
+        return self._run_from_key(params, key, forced)
 
     def run(self, params, env_keys, sample_key, forced: ForcedReplies | None = None) -> Trajectory:
+        if self.placement is not None:
+            env_keys = self.placement.put_batch(env_keys)
+        sample_key, forced = self._place(sample_key, forced)
         return self._run(params, env_keys, sample_key, forced)
+
+    def _place(self, key, forced):
+        """Host-made inputs as global arrays on the mesh (with several processes jit takes no other)."""
+        if self.placement is None:
+            return key, forced
+        return self.placement.put_replicated(key), None if forced is None else self.placement.put_batch(forced)
+
+    def _rollout_from_key(self, params, key, forced):
+        """``num_groups`` reset keys (each shared by the ``group_size`` rows of its group) and the
+        sampling key, both drawn from ``key``; then ``_rollout``."""
+        c = self.config
+        env_key, sample_key = jax.random.split(key)
+        env_keys = jnp.repeat(jax.random.split(env_key, c.num_groups), c.group_size, axis=0)
+        return self._rollout(params, self._constrain(env_keys), sample_key, forced)
+
+    def _constrain(self, tree):
+        """Pin a pytree of [B, ...] arrays to the batch layout of the mesh (identity without one)."""
+        if self.placement is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, self.placement.batch_shardings(tree))
 
     def _check_forced(self, forced, batch):
         c = self.config
@@ -368,7 +397,7 @@ class Rollout:
         carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t), carry,
                                        jnp.arange(self.config.max_turns))
         per_turn = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), per_turn)  # [B, T]
-        return self._assemble(carry, per_turn)
+        return self._constrain(self._assemble(carry, per_turn))
 
     def _initial_carry(self, model, env_keys, sample_key) -> TurnCarry:
         """Reset envs, prefill the system prompt (``P0`` tokens) into every row's cache and transcript."""
@@ -380,7 +409,9 @@ class Rollout:
         P0 = pre.shape[0]
         _, cache = prefill(model, cache, jnp.broadcast_to(pre, (B, P0)), jnp.zeros((B,), jnp.int32),
                            jnp.full((B,), P0, jnp.int32))
-        return TurnCarry(
+        if self.placement is not None:
+            cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.placement.mesh))
+        return self._constrain_carry(TurnCarry(
             cache=cache, state=state, pos=jnp.full((B,), P0, jnp.int32),
             buf=jnp.full((B, L), cd.pad_id, jnp.int32).at[:, :P0].set(pre),
             loss=jnp.zeros((B, L), bool), logp=jnp.zeros((B, L), jnp.float32),
@@ -389,7 +420,14 @@ class Rollout:
             success=jnp.zeros((B,), bool), num_actions=jnp.zeros((B,), jnp.int32),
             eot=jnp.zeros((B,), bool), reward_id=jnp.full((B,), cd.reward_zero, jnp.int32),
             warn=jnp.zeros((B,), bool), turn_starts=jnp.full((B, c.max_turns), P0, jnp.int32),
-        )
+        ))
+
+    def _constrain_carry(self, carry: TurnCarry) -> TurnCarry:
+        """Every per-row field of the turn carry in the batch layout; the cache keeps its own."""
+        if self.placement is None:
+            return carry
+        return carry.replace(**{f.name: self._constrain(getattr(carry, f.name))
+                                for f in dataclasses.fields(carry) if f.name != "cache"})
 
     def _turn(self, model, env_keys, forced, carry: TurnCarry, t):
         """One turn for every row: user block → context → reply → parse → env steps → record."""
@@ -697,8 +735,8 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
     return out
 
 
-def make_rollout(graphdef, env, env_params, tokenizer, config: RolloutConfig) -> Rollout:
+def make_rollout(graphdef, env, env_params, tokenizer, config: RolloutConfig, placement=None) -> Rollout:
     """Build the jitted multi-turn rollout; call it as ``rollout(params, key) -> Trajectory``."""
     if isinstance(graphdef, nnx.Module):
         graphdef = nnx.split(graphdef)[0]
-    return Rollout(graphdef, env, env_params, tokenizer, config)
+    return Rollout(graphdef, env, env_params, tokenizer, config, placement=placement)

@@ -480,6 +480,8 @@ def make_update_step(
     donate: bool = True,
     shared_prefix_len: int = 0,
     per_turn_rows: Optional[tuple[int, int]] = None,
+    placement=None,
+    state_shardings=None,
 ):
     """Builds ``update(train_state, trajectory, key=None) -> (train_state, metrics)``.
 
@@ -498,6 +500,11 @@ def make_update_step(
         the context that turn was sampled in (``rollout.turn_rows``), not on the whole transcript.
         Scores, the SNR filter and advantages stay per episode; a mini-batch holds all the turn
         rows of its episodes, so the optimizer-step count is the same as in full mode.
+      placement, state_shardings: run on ``placement``'s mesh (``ragen_jax.placement``) with the train
+        state laid out as ``state_shardings`` on the way in and out (so its donated buffers are
+        reused) and replicated metrics. The trajectory keeps the rollout's batch layout. Every
+        statistic (the SNR filter's group ranking, advantage normalisation, the MI matrix) is of the
+        global batch: the program is written for one device and XLA inserts the collectives.
     The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
     drives pair sampling and shuffling; without it the state's key is split and advanced.
     """
@@ -647,4 +654,8 @@ def make_update_step(
 
     if not jit:
         return update
-    return jax.jit(update, donate_argnums=(0,) if donate else ())
+    donate_argnums = (0,) if donate else ()
+    if placement is None:
+        return jax.jit(update, donate_argnums=donate_argnums)
+    return placement.jit(update, donate_argnums=donate_argnums, in_shardings=(state_shardings, None),
+                         out_shardings=(state_shardings, placement.replicated))

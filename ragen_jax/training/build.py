@@ -34,8 +34,12 @@ def tiny_model_config(tokenizer, tiny: Any, dtype: str = "float32", param_dtype:
         scan_layers=scan_layers, remat=remat)
 
 
-def build_model(spec: RunSpec):
-    """-> ``(tokenizer, model_cfg, model)`` for the configured preset (an ``nnx`` Decoder)."""
+def build_model(spec: RunSpec, placement=None):
+    """-> ``(tokenizer, model_cfg, model)`` for the configured preset (an ``nnx`` Decoder).
+
+    With a ``placement`` a pretrained checkpoint is read straight into the shards of its mesh (each
+    device receives only its slice); the tiny model is small enough to be built whole and placed.
+    """
     from flax import nnx
 
     from ragen_jax.models import Decoder
@@ -58,6 +62,10 @@ def build_model(spec: RunSpec):
             path = smollm2_gguf_path()
     else:
         path = m.path
+    if placement is not None:
+        from ragen_jax.models.sharding import sharding_fn
+
+        knobs["shard_fn"] = sharding_fn(placement.mesh, placement.rules)
     cfg, model = loading.load_model(path, **knobs)
     tokenizer = load_tokenizer(path)
     if len(tokenizer) > cfg.vocab_size:

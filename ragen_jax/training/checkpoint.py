@@ -131,25 +131,33 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
+            # Asynchronous: a save returns once the arrays are copied off the devices, and the files
+            # are written while training goes on (the next save, a restore or close waits for it).
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                  create=True),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
     def latest_step(self) -> int | None:
+        self.wait()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        self.wait()
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write ``state`` (array pytree) and ``meta`` (JSON-able dict) as checkpoint ``step``."""
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_encode(state)),
                                                          meta=ocp.args.JsonSave(_jsonable(meta))))
+
+    def wait(self) -> None:
+        """Block until the last save is on disk."""
         self._manager.wait_until_finished()
 
     def saved_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
         """``{array path: shape}`` of checkpoint ``step``, from its metadata (no array is read)."""
+        self.wait()
         return _shapes(self._manager.item_metadata(step)["state"])
 
     def check_fits(self, like: Any, step: int, saved: dict | None = None) -> None:
@@ -175,6 +183,7 @@ class Checkpointer:
         return _decode(out["state"], like), dict(out["meta"]), step
 
     def _read(self, like: Any, step: int):
+        self.wait()
         return self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
 
@@ -212,16 +221,22 @@ class Checkpointer:
     def _set_aside(self, steps: list[int]) -> None:
         if not steps:
             return
-        aside = self.directory.parent / f"{self.directory.name}.damaged"
-        aside.mkdir(exist_ok=True)
-        for step in steps:
-            target = aside / str(step)
-            if target.exists():
-                target = aside / f"{step}.{int(time.time())}"
-            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_index() == 0:  # one process moves the folders; every process then rereads
+            aside = self.directory.parent / f"{self.directory.name}.damaged"
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                target = aside / str(step)
+                if target.exists():
+                    target = aside / f"{step}.{int(time.time())}"
+                shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("damaged checkpoints set aside")
         self._manager.reload()
 
     def close(self) -> None:
+        self._manager.wait_until_finished()
         self._manager.close()
 
 

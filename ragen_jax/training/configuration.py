@@ -128,6 +128,7 @@ def resolve(config: ConfigDict) -> RunSpec:
     _build("trainer", sections.TrainerConfig, config.trainer.to_dict())
     warmup = _build("warmup", sections.WarmupConfig, config.warmup.to_dict())
     _build("eval", sections.EvalConfig, config.eval.to_dict())
+    _build("mesh", sections.MeshConfig, config.mesh.to_dict())
 
     # Model preset and path.
     preset = config.model.preset

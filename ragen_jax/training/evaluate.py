@@ -28,8 +28,10 @@ class Evaluator:
     evaluating 512 puzzles never needs more memory than a training rollout.
     """
 
-    def __init__(self, graphdef, env, env_params, tokenizer, rollout_cfg, eval_cfg, chunk_rows: int):
+    def __init__(self, graphdef, env, env_params, tokenizer, rollout_cfg, eval_cfg, chunk_rows: int,
+                 placement=None):
         self.eval_cfg = eval_cfg
+        self.placement = placement
         self.tokenizer = tokenizer
         k = int(eval_cfg.pass_k)
         n = int(eval_cfg.num_episodes)
@@ -38,7 +40,7 @@ class Evaluator:
         self.groups_per_chunk = groups_per_chunk
         cfg = dataclasses.replace(rollout_cfg, num_groups=groups_per_chunk, group_size=k,
                                   temperature=float(eval_cfg.temperature))
-        self.rollout = make_rollout(graphdef, env, env_params, tokenizer, cfg)
+        self.rollout = make_rollout(graphdef, env, env_params, tokenizer, cfg, placement=placement)
         keys = validation_keys(self.num_chunks * groups_per_chunk, int(eval_cfg.validation_seed))
         self.env_keys = jnp.repeat(keys, k, axis=0)  # [chunks * G * k]
         self.num_episodes = n
@@ -53,7 +55,8 @@ class Evaluator:
         for c in range(self.num_chunks):
             keys = self.env_keys[c * rows:(c + 1) * rows]
             traj = self.rollout.run(params, keys, jax.random.fold_in(jax.random.key(int(self.eval_cfg.validation_seed)), c))
-            traj = jax.device_get(traj)
+            # Every process takes part in the gather; only one is given a jsonl_path to write.
+            traj = self.placement.fetch(traj) if self.placement is not None else jax.device_get(traj)
             succ.append(traj.success)
             ret.append(traj.episode_return)
             turns.append(traj.num_turns)

@@ -184,6 +184,36 @@ class EvalConfig:
             _int("eval", "checkpoint_step", self.checkpoint_step, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """``config.mesh``: the device mesh every array of the run lives on (``ragen_jax.models.sharding``).
+
+    ``data`` splits the batch (weights replicated), ``fsdp`` splits the batch and shards weights and
+    optimizer states along their model dimension, ``tensor`` splits heads / MLP columns / the vocabulary.
+    The sizes multiply to the number of devices of all processes; one of them may be -1 to take what the
+    others leave. The default (``data=-1``) is plain data parallelism over whatever devices exist: one
+    CPU or one GPU gives a one-device mesh, and the run is the same as without one.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):
+                raise ValueError(f"mesh.{name}={size!r} must be an int >= 1, or -1 (all the devices the other "
+                                 "axes leave)")
+        if list(sizes.values()).count(-1) > 1:
+            fills = [f"mesh.{k}=-1" for k, v in sizes.items() if v == -1]
+            raise ValueError(f"{' and '.join(fills)}: at most one mesh axis may be -1 (set the others to sizes)")
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
 # Top level of a run's config: scalars and the section names.
 TOP_LEVEL_KEYS = ("mode", "workdir", "seed", "compilation_cache_dir", "env", "model", "rollout", "starpo",
-                  "filter", "collapse", "trainer", "warmup", "eval")
+                  "filter", "collapse", "trainer", "warmup", "eval", "mesh")

@@ -13,6 +13,7 @@ from its checkpoint logs bit-for-bit what an uninterrupted run logs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -96,42 +97,66 @@ class Setup:
     train_state: Any
     rollout: Any
     update: Callable
+    placement: Any  # ragen_jax.placement.Placement: the mesh every array lives on
+    state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
 
 
-def setup(spec: RunSpec) -> Setup:
-    """Model, env, train state (policy, optional critic), rollout and update step for ``spec``."""
+def make_placement(spec: RunSpec):
+    """The run's mesh (``config.mesh``) over the devices of every process."""
+    from ragen_jax.placement import Placement
+    from ragen_jax.training.configuration import ConfigError
+
+    m = spec.config.mesh
+    try:
+        placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    batch, divisor = spec.rollout.batch_size, placement.batch_divisor
+    if batch % divisor:
+        raise ConfigError(f"rollout.num_groups × rollout.group_size = {batch} trajectories cannot be split over "
+                          f"mesh.data × mesh.fsdp = {divisor} devices; make the batch a multiple of {divisor} "
+                          "or move devices to mesh.tensor")
+    return placement
+
+
+def setup(spec: RunSpec, placement=None) -> Setup:
+    """Model, env, train state (policy, optional critic), rollout and update step for ``spec``,
+    laid out on ``placement`` (default: the mesh of ``config.mesh``)."""
     from ragen_jax.models import Critic, ValueHead
     from ragen_jax.rollout.agent import make_rollout
     from ragen_jax.starpo.update import init_train_state, make_update_step
     from ragen_jax.training.build import build_env, build_model
 
     cfg = spec.config
-    tokenizer, model_cfg, model = build_model(spec)
+    placement = placement or make_placement(spec)
+    tokenizer, model_cfg, model = build_model(spec, placement)
     env, env_params = build_env(spec)
     mode = spec.starpo.critic_mode
     critic = None
     if mode == "shared":
         critic = ValueHead(model_cfg, rngs=nnx.Rngs(cfg.seed + 2))
-    elif mode == "separate":
+    elif mode == "separate" and spec.preset == "tiny":
         critic = Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 2))
-        if spec.preset != "tiny":
-            # The critic starts from the same pretrained checkpoint as the policy (spec §5.5).
-            critic.init_trunk_from(model)
+    elif mode == "separate":
+        # Created in its shards, then started from the same pretrained checkpoint as the policy (spec §5.5).
+        critic = placement.create(lambda: Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 2)))
+        critic.init_trunk_from(model)
     # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
     graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
-    rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout)
+    for params in (train_state.params, train_state.critic_params):  # a parameter no rule places is an error
+        placement.state_shardings(params, strict=True)
+    state_shardings = placement.state_shardings(train_state)
+    train_state = placement.put(train_state, state_shardings)
+    rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
     # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
     update = make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
                               group_size=spec.rollout.group_size,
                               shared_prefix_len=len(rollout.codec.preamble_ids),
-                              per_turn_rows=rollout.per_turn_rows)
-    return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update)
-
-
-def _own_buffers(tree):
-    """A copy of every array leaf: restored checkpoints are donated to the update like fresh state."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+                              per_turn_rows=rollout.per_turn_rows,
+                              placement=placement, state_shardings=state_shardings)
+    return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update, placement,
+                 state_shardings)
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
@@ -176,22 +201,24 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     ``step_callback(step, metrics)`` runs after each step; raising ``StopTraining`` from it saves a
     checkpoint of that step and ends the run (tests use it to interrupt and resume).
     """
-    from ragen_jax.training.workdir import prepare_training_workdir, trim_records
+    from ragen_jax.training.workdir import trim_records
 
     cfg, t = spec.config, spec.config.trainer
     workdir = Path(cfg.workdir)
-    resume, notes = prepare_training_workdir(cfg)  # refuses to mix runs; writes config.json
-    for note in notes:
-        print(f"note: {note}")
     clock = (time.time(), time.process_time())
-    run = setup(spec)
+    placement = make_placement(spec)
+    resume = _prepare_workdir(spec, placement)  # refuses to mix runs; writes config.json
+    run = setup(spec, placement)
+    main = placement.is_main  # the one process that writes logs, transcripts and the summary
+    if placement.num_processes > 1 and main:
+        print(f"training on {placement.describe}")
     evaluator = _make_evaluator(spec, run)
-    logger = Logger(workdir / "tensorboard")
+    logger = Logger(workdir / "tensorboard", enabled=main)
     ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints)
-    transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts else None
+    transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts and main else None
 
     if resume:
-        train_state, host, start_step = _resume(spec, run.train_state, ckpt)
+        train_state, host, start_step = _resume(spec, run, ckpt)
     else:
         train_state, host, start_step = run.train_state, HostState.fresh(spec), 0
     if transcripts is not None:  # records of steps after the checkpoint are written again, once
@@ -200,7 +227,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
         ckpt.save(0, train_state, host.meta(0))
 
-    steps, bar = _steps(spec, start_step)
+    steps, bar = _steps(spec, start_step, show=main)
     base_key = jax.random.key(cfg.seed)
     step, stop_reason = start_step, None
     for step in steps:
@@ -208,7 +235,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
                                                  spec.rollout.group_size)
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
-        _log_step(spec, logger, step, metrics, traj, host, run.tokenizer)
+        _log_step(spec, logger, step, metrics, traj, host, run.tokenizer, run.placement)
         out_of_time = bool(t.time_limit_minutes) and time.time() - clock[0] >= 60.0 * t.time_limit_minutes
         if out_of_time:  # this step is the last, and it gets the final validation
             stop_reason = f"time limit of {t.time_limit_minutes:g} min reached"
@@ -234,7 +261,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         bar.close()
     logger.close()
     ckpt.close()
-    return _finish(spec, host, step, stop_reason, clock)
+    return _finish(spec, host, step, stop_reason, clock, write=main)
 
 
 def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int):
@@ -245,10 +272,10 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int):
     """
     t0 = time.time()
     traj = run.rollout(_policy_params(train_state), key)
-    rollout_stats = jax.device_get(rollout_metrics(traj, group_size))
+    rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     t1 = time.time()
     train_state, update_metrics = run.update(train_state, traj)
-    update_metrics = _drop_uncomputed(to_host_scalars(jax.device_get(update_metrics)))
+    update_metrics = _drop_uncomputed(to_host_scalars(run.placement.fetch(update_metrics)))
     t2 = time.time()
     metrics = {f"train/{k}": float(v) for k, v in rollout_stats.items()}
     metrics.update(update_metrics)
@@ -259,6 +286,39 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int):
     return train_state, traj, metrics
 
 
+@functools.lru_cache(maxsize=None)
+def _episode_statistics(placement, group_size: int):
+    """``rollout_metrics`` of the whole (global) batch as one program with replicated results."""
+    return jax.jit(functools.partial(rollout_metrics, group_size=group_size), out_shardings=placement.replicated)
+
+
+def _prepare_workdir(spec: RunSpec, placement) -> bool:
+    """``prepare_training_workdir`` on the main process; every process learns whether to resume.
+
+    Only one process may move a workdir aside or write its config.json; the others wait for its
+    verdict (a refusal stops every process, the reason printed by the main one).
+    """
+    from ragen_jax.training.configuration import ConfigError
+    from ragen_jax.training.workdir import prepare_training_workdir
+
+    verdict, error = 0, None
+    if placement.is_main:
+        try:
+            resume, notes = prepare_training_workdir(spec.config)
+            for note in notes:
+                print(f"note: {note}")
+            verdict = 1 if resume else 0
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other processes heard of it
+            verdict, error = 2, e
+    verdict = int(placement.broadcast(np.int32(verdict)))
+    if error is not None:
+        raise error
+    if verdict == 2:
+        raise ConfigError(f"process 0 refused the workdir {spec.config.workdir!r} (its message says why)")
+    placement.sync("workdir prepared")
+    return verdict == 1
+
+
 def _make_evaluator(spec: RunSpec, run: Setup):
     from ragen_jax.training.evaluate import Evaluator
 
@@ -266,22 +326,26 @@ def _make_evaluator(spec: RunSpec, run: Setup):
     if not (t.eval_every or t.eval_before_train):
         return None
     return Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.config.eval,
-                     chunk_rows=spec.rollout.batch_size)
+                     chunk_rows=spec.rollout.batch_size, placement=run.placement)
 
 
-def _resume(spec: RunSpec, like, ckpt: Checkpointer):
-    """``(train_state, host, step)`` from the newest intact checkpoint (damaged ones are skipped)."""
+def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
+    """``(train_state, host, step)`` from the newest intact checkpoint (damaged ones are skipped),
+    restored into this run's layout whatever mesh wrote it."""
     from ragen_jax.training.workdir import explain_mismatch
 
     try:
-        train_state, meta, step, skipped = ckpt.restore_latest_intact(like)
+        train_state, meta, step, skipped = ckpt.restore_latest_intact(run.train_state)
     except CheckpointMismatch as e:
         raise CheckpointMismatch(f"{e}. {explain_mismatch(spec.config)}") from None
-    for bad, reason in skipped:
-        print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
-              f"(moved to {ckpt.directory}.damaged/): {reason}")
-    print(f"resumed from {ckpt.directory}/{step}")
-    return _own_buffers(train_state), HostState.from_meta(meta), step
+    if run.placement.is_main:
+        for bad, reason in skipped:
+            print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
+                  f"(moved to {ckpt.directory}.damaged/): {reason}")
+        print(f"resumed from {ckpt.directory}/{step}")
+    # Buffers of its own, in the update's layout: the update donates its input state.
+    own = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=run.state_shardings)
+    return own(train_state), HostState.from_meta(meta), step
 
 
 def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostState, evaluator, logger, transcripts):
@@ -306,11 +370,11 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
     return train_state
 
 
-def _steps(spec: RunSpec, start_step: int):
+def _steps(spec: RunSpec, start_step: int, show: bool = True):
     """The StarPO steps still to run, and the progress bar over them (None when switched off)."""
     t = spec.config.trainer
     steps = range(start_step + 1, t.total_steps + 1)
-    if not t.progress_bar:
+    if not (t.progress_bar and show):
         return steps, None
     from tqdm.auto import tqdm
 
@@ -329,7 +393,8 @@ def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
         host.history["quadrant"].append([step, float(mi), float(ce)])
 
 
-def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, host: HostState, tokenizer) -> None:
+def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, host: HostState, tokenizer,
+              placement) -> None:
     """TensorBoard: the step's scalars, the MI quadrant when it moved, a sample transcript."""
     t = spec.config.trainer
     if step % t.log_every == 0:
@@ -341,8 +406,8 @@ def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, hos
     if t.transcript_every and step % t.transcript_every == 0:
         from ragen_jax.rollout import codec as codec_lib
 
-        row = traj.tokens[0][traj.valid_mask[0]]
-        logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, np.asarray(row)))
+        tokens, valid = placement.fetch((traj.tokens, traj.valid_mask))  # a collective: every process
+        logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, tokens[0][valid[0]]))
 
 
 def _validate(spec: RunSpec, evaluator, train_state, step: int, host: HostState, logger: Logger, metrics: dict,
@@ -377,8 +442,10 @@ def _progress_fields(metrics: dict) -> dict[str, str]:
             "MI": "-" if mi is None else f"{mi:.3f}", "tok_s": f"{metrics['timing_s/tokens_per_s']:.0f}"}
 
 
-def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, clock) -> dict[str, Any]:
-    """Summary (also ``summary.json``), the learning curve image and the console report."""
+def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, clock,
+            write: bool = True) -> dict[str, Any]:
+    """Summary (also ``summary.json``), the learning curve image and the console report (``write``:
+    this process is the one that writes them; every process returns the summary)."""
     workdir = Path(spec.config.workdir)
     summary, history = host.summary, host.history
     summary["steps"] = float(step)
@@ -388,10 +455,11 @@ def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, 
     if history["val"]:
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
-    _save_curve(workdir / "learning_curve.png", history)
-    (workdir / "summary.json").write_text(json.dumps({"summary": summary, "stop_reason": stop_reason,
-                                                      "history": history}, indent=1))
-    print(_console_summary(spec, summary, stop_reason, workdir))
+    if write:
+        _save_curve(workdir / "learning_curve.png", history)
+        (workdir / "summary.json").write_text(json.dumps({"summary": summary, "stop_reason": stop_reason,
+                                                          "history": history}, indent=1))
+        print(_console_summary(spec, summary, stop_reason, workdir))
     return {"summary": summary, "stop_reason": stop_reason, "history": history}
 
 
@@ -414,7 +482,10 @@ def _warn_about_step(spec: RunSpec, step: int, metrics: dict, summary: dict, bar
 
 
 def _console_warning(bar, msg: str) -> None:
-    """Print ``msg`` above the progress bar (when there is one) rather than through it."""
+    """Print ``msg`` above the progress bar (when there is one) rather than through it; with
+    several processes only the main one prints."""
+    if jax.process_index() != 0:
+        return
     if bar is not None:
         bar.write(msg)
     else:

@@ -310,7 +310,7 @@ def make_bc_step(graphdef, tx: optax.GradientTransformation, prefix_len: int = 0
 def first_turn_rollout(rollout: Rollout) -> Rollout:
     """The same rollout stopped after one turn: the first-turn demonstrations of phase 1."""
     return make_rollout(rollout.graphdef, rollout.env, rollout.env_params, rollout.tokenizer,
-                        dataclasses.replace(rollout.config, max_turns=1))
+                        dataclasses.replace(rollout.config, max_turns=1), placement=rollout.placement)
 
 
 def bc_data(demos: list[Trajectory], per_turn_rows: tuple[int, int] | None = None):

@@ -1,0 +1,211 @@
+"""Where a run's arrays live: one device mesh over the devices of every process.
+
+A ``Placement`` is the run's mesh (``config.mesh``) plus the few operations that differ between one
+process and several (multi-host GPU nodes, TPU pod slices):
+
+  put(tree, shardings)   host or single-device values -> global arrays with those shardings
+  fetch(tree)            global arrays -> NumPy on every process (replicated values are read
+                         locally; batch-sharded ones are gathered, a collective every process joins)
+  state_shardings(tree)  a train-state-like pytree -> the partition rules' shardings, leaf by leaf
+  batch_shardings(tree)  leading (batch) dim over ('data', 'fsdp'), the rest replicated
+
+With one process every operation is the plain single-controller one (``jax.device_put``,
+``jax.device_get``). With several, every process runs the same program on its own share of each
+array (SPMD); what one process alone must do (write TensorBoard, move a workdir aside) is guarded by
+``is_main`` and followed by ``sync``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ragen_jax.models import sharding as sharding_lib
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+class Placement:
+    """A mesh and the partition rules of the models that live on it."""
+
+    def __init__(self, mesh: Mesh, rules: sharding_lib.Rules = sharding_lib.DEFAULT_RULES):
+        self.mesh = mesh
+        self.rules = tuple(rules)
+        self.replicated = NamedSharding(mesh, P())
+
+    @classmethod
+    def from_shape(cls, data: int = -1, fsdp: int = 1, tensor: int = 1) -> "Placement":
+        """The mesh of ``config.mesh`` over ``jax.devices()`` (every process's devices)."""
+        n = jax.device_count()
+        try:
+            mesh = sharding_lib.make_mesh(data, fsdp, tensor)
+        except ValueError as e:
+            where = (f"{n} devices over {jax.process_count()} processes" if jax.process_count() > 1
+                     else f"{n} device{'s' if n != 1 else ''} ({jax.devices()[0].platform})")
+            raise ValueError(f"mesh data={data}, fsdp={fsdp}, tensor={tensor} does not fit the {where}: {e}. "
+                             "Set --config.mesh.data/fsdp/tensor so they multiply to the device count "
+                             "(one of them may be -1)") from None
+        if math.prod(mesh.shape.values()) != n:
+            raise ValueError(f"mesh {dict(mesh.shape)} uses {math.prod(mesh.shape.values())} of the {n} devices; "
+                             "the sizes must multiply to the device count (set one axis to -1 to take the rest)")
+        return cls(mesh)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that writes logs, summaries and the workdir's own files."""
+        return jax.process_index() == 0
+
+    @property
+    def batch_divisor(self) -> int:
+        """Rows of a batch are split over data × fsdp devices: batch sizes should be multiples."""
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+    @property
+    def describe(self) -> str:
+        shape = " × ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
+        procs = f" over {self.num_processes} processes" if self.num_processes > 1 else ""
+        return f"mesh {shape} ({jax.device_count()} {jax.devices()[0].platform} devices{procs})"
+
+    # ------------------------------------------------------------------------------------------
+    # Shardings
+
+    def state_shardings(self, tree, *, strict: bool = False):
+        """A ``NamedSharding`` per array of ``tree``, by the partition rules on its path.
+
+        The rules are anchored at the end of the path, so an optimizer moment
+        (``opt_state/1/0/mu/layers/0/mlp/up_proj/kernel``) is sharded like its parameter; scalars,
+        counters and keys are replicated. ``strict`` raises for an array no rule matches (use it on
+        parameter trees, so a new parameter is never silently replicated on every device).
+        """
+        def one(path, x):
+            shape = np.shape(x) if not _is_key(x) else x.shape
+            spec = sharding_lib.partition_spec(path, shape, self.mesh, self.rules, strict=strict) if shape else P()
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def batch_shardings(self, tree):
+        """Leading dim of every array over ('data', 'fsdp') when it divides, else replicated."""
+        return jax.tree.map(lambda x: NamedSharding(self.mesh, sharding_lib.batch_spec(np.shape(x), self.mesh))
+                            if np.ndim(x) else self.replicated, tree)
+
+    def replicated_shardings(self, tree):
+        return jax.tree.map(lambda _: self.replicated, tree)
+
+    def create(self, make: Callable[[], Any]):
+        """``make()`` (an ``nnx.Module`` constructor call) with every array created in its shards.
+
+        The module is traced abstractly first (``nnx.eval_shape``: no memory), then initialised by
+        one program whose outputs have the rules' shardings, so a 7B critic is never materialised
+        on one device. The values are those of ``make()`` run eagerly (same RNG streams) up to float
+        rounding: the compiled initialisers may differ from the op-by-op ones in the last bit.
+        """
+        from flax import nnx
+
+        graphdef, abstract = nnx.split(nnx.eval_shape(make))
+        shardings = self.state_shardings(abstract)
+        state = self.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+        return nnx.merge(graphdef, state)
+
+    # ------------------------------------------------------------------------------------------
+    # Moving data
+
+    def put(self, tree, shardings):
+        """``tree`` as global arrays with ``shardings`` (a matching pytree, or one sharding for all).
+
+        Values given on the host (NumPy) or on one local device must be the same on every process
+        (they are: everything here derives from the config and the seed); each process then keeps
+        only the shards its devices hold.
+        """
+        if isinstance(shardings, jax.sharding.Sharding):
+            shardings = jax.tree.map(lambda _: shardings, tree)
+        return jax.tree.map(self._put_one, tree, shardings)
+
+    def put_replicated(self, tree):
+        return self.put(tree, self.replicated)
+
+    def put_batch(self, tree):
+        return self.put(tree, self.batch_shardings(tree))
+
+    def _put_one(self, x, sharding: NamedSharding):
+        if x is None:
+            return None
+        if _is_key(x):
+            impl = jax.random.key_impl(x)
+            data = self._put_one(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=impl)
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if self.num_processes == 1:
+            return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard
+            return jax.jit(lambda a: a, out_shardings=sharding)(x)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def fetch(self, tree):
+        """NumPy copies of every array, on every process (a collective when arrays are sharded
+        across processes: every process must call it, in the same order)."""
+        return jax.tree.map(self._fetch_one, tree)
+
+    def _fetch_one(self, x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    # ------------------------------------------------------------------------------------------
+    # Processes
+
+    def sync(self, name: str) -> None:
+        """Every process waits here until all have arrived (no-op with one process)."""
+        if self.num_processes > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
+    def broadcast(self, value: Any) -> Any:
+        """The main process's ``value`` (a small pytree of numbers), on every process."""
+        if self.num_processes == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.broadcast_one_to_all(value)
+
+    def main_only(self, fn: Callable[[], Any], name: str) -> Any:
+        """Run ``fn`` on the main process, then ``sync``; returns its result there, None elsewhere."""
+        out = fn() if self.is_main else None
+        self.sync(name)
+        return out
+
+    def jit(self, fn: Callable, **kwargs) -> Callable:
+        """``jax.jit(fn, **kwargs)`` whose trace sees this mesh (``jax.sharding.get_abstract_mesh``),
+        so the decoder's activation constraints apply inside it."""
+        abstract = self.mesh.abstract_mesh
+
+        def traced(*args, **kw):
+            with jax.sharding.use_abstract_mesh(abstract):
+                return fn(*args, **kw)
+
+        traced.__name__ = getattr(fn, "__name__", "fn")
+        return jax.jit(traced, **kwargs)
+
+
+def single_device() -> Placement:
+    """A one-device mesh (the first device): what a run without a ``mesh`` section gets."""
+    return Placement(sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
