@@ -1,0 +1,212 @@
+"""Memory planner: what one device holds during a run's rollout and StarPO update, without weights.
+
+    python -m ragen_jax.plan --config configs/sokoban.py --config.model.preset=qwen2.5-7b \
+        --config.mesh.fsdp=8 --config.model.scan_layers=True --config.starpo.micro_batch_size=8
+
+The model is built abstractly (``jax.eval_shape``: shapes and dtypes, no memory), the train state
+is laid out by the run's own partition rules on ``config.mesh``, and the run's two compiled
+programs — the rollout (sampler, KV cache and vmapped envs in one program) and the update (log-probs,
+SNR filter, advantages, MI proxy, PPO/GRPO epochs) — are lowered and compiled ahead of time for
+simulated CPU devices of the mesh's shape. Their memory analysis gives the per-device bytes XLA
+assigned; parameters, optimizer states and the KV cache are added up from their shards. A device's
+peak is the larger of the two phases (the train state lives through both):
+
+    rollout  train state + the rollout program's temporaries (KV cache, activations) + trajectory
+    update   the update program's arguments + temporaries + outputs - donated (aliased) buffers
+
+Figures are estimates: they come from XLA's CPU compiler, whose fusion and buffer reuse differ from a
+GPU's or TPU's, and exclude the framework's reserve (JAX pre-allocates 75% of a GPU by default:
+``XLA_PYTHON_CLIENT_MEM_FRACTION=.95`` raises it). "fits" below means peak <= 90% of the device.
+
+Presets plan without their files: the Qwen2.5 architectures are written out below (their
+``config.json`` values; ``model.path`` with a config.json overrides), SmolLM2's is read from the
+GGUF's header. Prompts are tokenised by the tiny preset's tokenizer (the layout only depends on
+``rollout.max_seq_len`` and the batch shape, not on the token ids).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+# Architectures of the pretrained presets (their HF config.json), so a plan needs no download.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, tie_word_embeddings=False),
+}
+_QWEN2 = dict(model_type="qwen2", vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+              max_position_embeddings=32768, hidden_act="silu")
+
+ACCELERATORS = (("TPU v5e", 16e9), ("A100/H100 80GB", 80e9), ("H200", 141e9))
+USABLE = 0.9  # of a device's memory: what XLA may plan to use
+
+
+def model_config(spec):
+    """The preset's ``ModelConfig`` from its architecture alone (no weights read)."""
+    from ragen_jax.models import ModelConfig
+    from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
+
+    m = spec.config.model
+    knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+    preset = spec.config.model.preset
+    if preset == "tiny":
+        return tiny_model_config(load_tiny_tokenizer(), m.tiny, **knobs)
+    if m.path and os.path.isfile(os.path.join(m.path, "config.json")):
+        return ModelConfig.from_hf_config(m.path, **knobs)
+    if preset == "smollm2_135m":
+        import gguf
+
+        from ragen_jax.models import smollm2_gguf_path
+        from ragen_jax.models.loading import gguf_config_dict
+
+        return ModelConfig.from_hf_config(gguf_config_dict(gguf.GGUFReader(m.path or smollm2_gguf_path())), **knobs)
+    return ModelConfig.from_hf_config({**_QWEN2, **ARCHITECTURES[preset]}, **knobs)
+
+
+def _shard_bytes(abstract) -> int:
+    """Bytes one device holds of a pytree of sharded ``ShapeDtypeStruct``s (the largest shard)."""
+    total = 0
+    for x in __import__("jax").tree.leaves(abstract):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize
+    return total
+
+
+def plan(spec) -> dict[str, float]:
+    """Per-device bytes of ``spec``'s run on its mesh (the devices must already exist)."""
+    import jax
+    from flax import nnx
+
+    from ragen_jax.models import Critic, Decoder, ValueHead
+    from ragen_jax.models.kv_cache import init_cache
+    from ragen_jax.models.sharding import cache_shardings
+    from ragen_jax.rollout.agent import Rollout
+    from ragen_jax.starpo.update import init_train_state, make_update_step
+    from ragen_jax.training.build import build_env, load_tiny_tokenizer
+    from ragen_jax.training.trainer import make_placement
+
+    placement = make_placement(spec)
+    cfg = model_config(spec)
+    mode = spec.starpo.critic_mode
+    graphdefs = {}
+
+    def build():
+        policy = Decoder(cfg, rngs=nnx.Rngs(0))
+        critic = {"shared": lambda: ValueHead(cfg, rngs=nnx.Rngs(1)),
+                  "separate": lambda: Critic(cfg, rngs=nnx.Rngs(1))}.get(mode, lambda: None)()
+        graphdefs["g"], state = init_train_state(policy, spec.starpo, key=jax.random.key(0), critic=critic)
+        return state
+
+    shapes = jax.eval_shape(build)
+    shardings = placement.state_shardings(shapes)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    gd = graphdefs["g"]
+
+    env, env_params = build_env(spec)
+    rollout = Rollout(gd.policy, env, env_params, load_tiny_tokenizer(), spec.rollout, placement=placement)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=placement.replicated)
+    rollout_exe = rollout._run_from_key.lower(state.params, key, None).compile()
+    traj = jax.eval_shape(rollout._rollout_from_key, state.params, key, None)
+    traj = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), traj,
+                        placement.batch_shardings(traj))
+    update = make_update_step(gd, spec.starpo, spec.filter, spec.collapse, group_size=spec.rollout.group_size,
+                              shared_prefix_len=len(rollout.codec.preamble_ids), per_turn_rows=rollout.per_turn_rows,
+                              placement=placement, state_shardings=shardings)
+    update_exe = update.lower(state, traj).compile()
+
+    cache = jax.eval_shape(lambda: init_cache(cfg, spec.rollout.batch_size, rollout.cache_len))
+    cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), cache,
+                         cache_shardings(cache, placement.mesh))
+    r, u = rollout_exe.memory_analysis(), update_exe.memory_analysis()
+    out = {
+        "policy_params": _shard_bytes(state.params),
+        "critic_params": _shard_bytes(state.critic_params),
+        "reference_params": _shard_bytes(state.ref_params),
+        "optimizer_states": _shard_bytes((state.opt_state, state.critic_opt_state)),
+        "kv_cache": _shard_bytes(cache),
+        "trajectory": _shard_bytes(traj),
+        "rollout_temporaries": r.temp_size_in_bytes,
+        "update_temporaries": u.temp_size_in_bytes,
+    }
+    out["train_state"] = _shard_bytes(state)
+    out["rollout_peak"] = out["train_state"] + r.temp_size_in_bytes + r.output_size_in_bytes
+    out["update_peak"] = (u.argument_size_in_bytes + u.temp_size_in_bytes + u.output_size_in_bytes
+                          - u.alias_size_in_bytes)
+    out["peak"] = max(out["rollout_peak"], out["update_peak"])
+    out["devices"] = jax.device_count()
+    out["num_parameters"] = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    return out
+
+
+def report(spec, figures: dict) -> str:
+    """The plan as a table, with which accelerator the peak fits."""
+    m, s = spec.config.mesh, spec.starpo
+    gb = lambda b: f"{b / 1e9:9.2f} GB"
+    r = spec.rollout
+    head = (f"{spec.config.model.preset} ({figures['num_parameters'] / 1e9:.2f}B parameters, "
+            f"{spec.config.model.param_dtype} weights, {spec.config.model.dtype} compute), "
+            f"{s.adv_estimator} critic={s.critic_mode}, rollout {r.num_groups} groups × {r.group_size}, "
+            f"{r.max_turns} turns, max_seq_len {r.max_seq_len}; mesh data {m.data} × fsdp {m.fsdp} × tensor "
+            f"{m.tensor} = {figures['devices']} devices. Per device:")
+    rows = [("policy parameters", "policy_params"), ("critic parameters", "critic_params"),
+            ("reference parameters", "reference_params"), ("optimizer states", "optimizer_states"),
+            ("KV cache (in rollout temporaries)", "kv_cache"), ("trajectory", "trajectory"),
+            ("rollout temporaries", "rollout_temporaries"), ("update temporaries", "update_temporaries"),
+            ("peak during the rollout", "rollout_peak"), ("peak during the update", "update_peak"),
+            ("peak", "peak")]
+    lines = [head] + [f"  {label:<36}{gb(figures[key])}" for label, key in rows]
+    for name, capacity in ACCELERATORS:
+        verdict = "fits" if figures["peak"] <= USABLE * capacity else "does not fit"
+        lines.append(f"  {name:<36}{verdict} ({figures['peak'] / capacity:.0%} of {capacity / 1e9:.0f} GB)")
+    return "\n".join(lines)
+
+
+def _mesh_devices(config, default: int) -> int:
+    sizes = [int(config.mesh[k]) for k in ("data", "fsdp", "tensor")]
+    return math.prod(sizes) if -1 not in sizes else default
+
+
+def main(argv: list[str] | None = None) -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flag = config_flags.DEFINE_config_file("config", None, "A run's config file (configs/*.py).",
+                                                  lock_config=False)
+    devices_flag = flags.DEFINE_integer("devices", 8, "Simulated devices when a mesh axis is -1.")
+
+    def run(_):
+        config = config_flag.value
+        n = _mesh_devices(config, devices_flag.value)
+        # Simulated CPU devices, set before jax starts its backend (the config file only imports it).
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        from ragen_jax.training.configuration import PRESETS, ConfigError, resolve
+
+        preset = config.model.preset
+        try:
+            if preset in PRESETS and PRESETS[preset]["kind"] == "hf_dir" and not config.model.path:
+                config.model.preset = "tiny"  # resolve checks the files a plan does not need
+                spec = resolve(config)
+                with spec.config.unlocked():
+                    spec.config.model.preset = preset
+            else:
+                spec = resolve(config)
+            print(report(spec, plan(spec)))
+        except ConfigError as e:
+            print(f"Configuration error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(run, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
