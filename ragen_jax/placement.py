@@ -154,13 +154,15 @@ class Placement:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def fetch(self, tree):
-        """NumPy copies of every array, on every process (a collective when arrays are sharded
-        across processes: every process must call it, in the same order)."""
+        """NumPy copies of every array (PRNG keys: local key arrays), on every process (a collective
+        when arrays are sharded across processes: every process must call it, in the same order)."""
         return jax.tree.map(self._fetch_one, tree)
 
     def _fetch_one(self, x):
         if not isinstance(x, jax.Array):
             return x
+        if _is_key(x):  # a key stays a key (on this process's default device)
+            return jax.random.wrap_key_data(self._fetch_one(jax.random.key_data(x)), impl=jax.random.key_impl(x))
         if x.is_fully_addressable:
             return np.asarray(jax.device_get(x))
         if x.sharding.is_fully_replicated:

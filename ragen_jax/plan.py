@@ -79,8 +79,9 @@ def _shard_bytes(abstract) -> int:
     return total
 
 
-def plan(spec) -> dict[str, float]:
-    """Per-device bytes of ``spec``'s run on its mesh (the devices must already exist)."""
+def plan(spec, placement=None) -> dict[str, float]:
+    """Per-device bytes of ``spec``'s run on ``placement`` (default: its ``config.mesh``; the
+    devices must already exist)."""
     import jax
     from flax import nnx
 
@@ -92,7 +93,7 @@ def plan(spec) -> dict[str, float]:
     from ragen_jax.training.build import build_env, load_tiny_tokenizer
     from ragen_jax.training.trainer import make_placement
 
-    placement = make_placement(spec)
+    placement = placement or make_placement(spec)
     cfg = model_config(spec)
     mode = spec.starpo.critic_mode
     graphdefs = {}
@@ -140,21 +141,25 @@ def plan(spec) -> dict[str, float]:
     out["update_peak"] = (u.argument_size_in_bytes + u.temp_size_in_bytes + u.output_size_in_bytes
                           - u.alias_size_in_bytes)
     out["peak"] = max(out["rollout_peak"], out["update_peak"])
-    out["devices"] = jax.device_count()
+    out["devices"] = placement.mesh.size
+    out["mesh"] = dict(placement.mesh.shape)
     out["num_parameters"] = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     return out
 
 
 def report(spec, figures: dict) -> str:
     """The plan as a table, with which accelerator the peak fits."""
-    m, s = spec.config.mesh, spec.starpo
-    gb = lambda b: f"{b / 1e9:9.2f} GB"
+    m, s = figures["mesh"], spec.starpo
     r = spec.rollout
+
+    def gb(b):
+        return f"{b / 1e9:9.2f} GB"
+
     head = (f"{spec.config.model.preset} ({figures['num_parameters'] / 1e9:.2f}B parameters, "
             f"{spec.config.model.param_dtype} weights, {spec.config.model.dtype} compute), "
             f"{s.adv_estimator} critic={s.critic_mode}, rollout {r.num_groups} groups × {r.group_size}, "
-            f"{r.max_turns} turns, max_seq_len {r.max_seq_len}; mesh data {m.data} × fsdp {m.fsdp} × tensor "
-            f"{m.tensor} = {figures['devices']} devices. Per device:")
+            f"{r.max_turns} turns, max_seq_len {r.max_seq_len}; mesh data {m['data']} × fsdp {m['fsdp']} × "
+            f"tensor {m['tensor']} = {figures['devices']} devices. Per device:")
     rows = [("policy parameters", "policy_params"), ("critic parameters", "critic_params"),
             ("reference parameters", "reference_params"), ("optimizer states", "optimizer_states"),
             ("KV cache (in rollout temporaries)", "kv_cache"), ("trajectory", "trajectory"),
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     config_flag = config_flags.DEFINE_config_file("config", None, "A run's config file (configs/*.py).",
                                                   lock_config=False)
     devices_flag = flags.DEFINE_integer("devices", 8, "Simulated devices when a mesh axis is -1.")
+    json_flag = flags.DEFINE_string("json", None, "Also write the figures (bytes) to this JSON file.")
 
     def run(_):
         config = config_flag.value
@@ -200,7 +206,14 @@ def main(argv: list[str] | None = None) -> None:
                     spec.config.model.preset = preset
             else:
                 spec = resolve(config)
-            print(report(spec, plan(spec)))
+            figures = plan(spec)
+            print(report(spec, figures))
+            if json_flag.value:
+                import json
+
+                with open(json_flag.value, "w") as f:
+                    json.dump({"figures": figures, "preset": preset, "mesh": spec.config.mesh.to_dict(),
+                               "adv_estimator": spec.starpo.adv_estimator, "critic": spec.starpo.critic_mode}, f)
         except ConfigError as e:
             print(f"Configuration error: {e}", file=sys.stderr)
             sys.exit(2)
