@@ -359,6 +359,8 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
         train_state = train_state.replace(params=params)
         if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
             train_state = train_state.replace(ref_params=jax.tree.map(jnp.copy, params))
+        # Back in the update's layout (the BC steps leave their outputs where XLA put them).
+        train_state = run.placement.put(train_state, run.state_shardings)
         logger.scalars(0, warm_summary)
         host.summary.update(warm_summary)
     if evaluator is not None and cfg.trainer.eval_before_train:

@@ -192,7 +192,10 @@ def _demonstration_batches(rollout: Rollout, params, num_states: int, seed: int,
     for i in range(n_batches):
         env_keys = jax.random.split(jax.random.fold_in(base, i), B)
         forced, _, described = expert_replies(rollout, env_keys, rng, action_noise)
-        yield rollout.run(params, env_keys, jax.random.fold_in(base, 10_000 + i), forced), described
+        traj = rollout.run(params, env_keys, jax.random.fold_in(base, 10_000 + i), forced)
+        # Demonstrations are assembled on the host (every process holds them all); each BC step
+        # then places its batch on the mesh (``_on_mesh``).
+        yield (rollout.placement.fetch(traj) if rollout.placement is not None else traj), described
 
 
 def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_noise: float = 0.0,
@@ -207,6 +210,15 @@ def demonstrations(rollout: Rollout, params, num_states: int, seed: int, action_
 # --------------------------------------------------------------------------------------------
 # Behaviour cloning
 # --------------------------------------------------------------------------------------------
+
+
+def _on_mesh(placement, batch, replicated=None):
+    """A host-made BC batch split over the mesh's batch axes (``replicated``: values every device
+    needs whole, e.g. the learning rate); unchanged without a placement."""
+    if placement is None:
+        return batch if replicated is None else (batch, replicated)
+    batch = placement.put_batch(batch)
+    return batch if replicated is None else (batch, placement.put_replicated(replicated))
 
 
 def _next_token_logits(graphdef, params, tokens, prefix_len: int):
@@ -247,7 +259,7 @@ def bc_loss(graphdef, params, tokens, loss_mask, valid_mask, prefix_len: int = 0
 
 
 def make_reading_check(graphdef, tokens, loss_mask, described, prefix_len: int = 0,
-                       chunk: int = 64) -> Callable[[Any], float]:
+                       chunk: int = 64, placement=None) -> Callable[[Any], float]:
     """``check(params) -> float``: the fraction of held-out first-turn demonstrations whose state
     description the model reads exactly.
 
@@ -272,7 +284,8 @@ def make_reading_check(graphdef, tokens, loss_mask, described, prefix_len: int =
     predict = jax.jit(lambda p, t: jnp.argmax(_next_token_logits(graphdef, p, t, P), -1))
 
     def check(params) -> float:
-        pred = np.concatenate([np.asarray(predict(params, jnp.asarray(tokens[i: i + chunk])))
+        fetch = placement.fetch if placement is not None else np.asarray
+        pred = np.concatenate([fetch(predict(params, _on_mesh(placement, jnp.asarray(tokens[i: i + chunk]))))
                                for i in range(0, tokens.shape[0], chunk)])[:n]
         return float(np.mean(((pred == tokens[:n, P + 1:]) | ~checked).all(axis=1)))
 
@@ -390,7 +403,8 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     # known once phase 1 has ended.
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0))
-    run = _BCRun(params=params, opt_state=tx.init(params), rng=np.random.default_rng(warmup_cfg.seed),
+    # Initialised under jit: every leaf (the step counter too) lives on the devices of the params.
+    run = _BCRun(params=params, opt_state=jax.jit(tx.init)(params), rng=np.random.default_rng(warmup_cfg.seed),
                  log_fn=log_fn, summary={})
     if progress:
         from tqdm.auto import tqdm
@@ -441,7 +455,8 @@ def _warmup_phases(rollout: Rollout, params, warmup_cfg):
             held_mask = np.asarray(held_loss & held_valid)
             described = np.concatenate([d[:, 0] for _, d in batches])
             check = make_reading_check(rollout.graphdef, held_tokens, held_mask, described,
-                                       shared_prefix_length(np.asarray(held_tokens), held_mask))
+                                       shared_prefix_length(np.asarray(held_tokens), held_mask),
+                                       placement=rollout.placement)
     if conv_steps:
         phases.append(("conversation", conv_steps,
                        demonstrations(rollout, params, states_for(conv_steps), warmup_cfg.seed,
@@ -483,11 +498,13 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
             order, cursor = run.rng.permutation(n), 0
         idx = jnp.asarray(order[cursor: cursor + bs])
         cursor += bs
-        run.opt_state[1].hyperparams["learning_rate"] = jnp.asarray(lr_at(run.done), jnp.float32)
-        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, tokens[idx], loss_mask[idx],
-                                               valid_mask[idx])
+        batch, lr = _on_mesh(rollout.placement, (tokens[idx], loss_mask[idx], valid_mask[idx]),
+                             jnp.asarray(lr_at(run.done), jnp.float32))
+        run.opt_state[1].hyperparams["learning_rate"] = lr
+        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, *batch)
         run.done += 1
         if run.done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
+            m = rollout.placement.fetch(m) if rollout.placement is not None else m
             run.metrics = {k: float(v) for k, v in m.items()}
             _report(run, {f"warmup/{k}": v for k, v in run.metrics.items()}, phase=name,
                     loss=f"{run.metrics['loss']:.3f}", acc=f"{run.metrics['token_accuracy']:.2f}")

@@ -27,6 +27,7 @@ ap.add_argument("--coordinator", default=None)
 ap.add_argument("--num_processes", type=int, default=1)
 ap.add_argument("--process_id", type=int, default=0)
 ap.add_argument("--dump_restored", default=None)
+ap.add_argument("--warmup", type=int, default=0, help="behaviour-cloning steps before RL (first-turn and whole)")
 args = ap.parse_args()
 
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -51,12 +52,13 @@ def config(workdir: str, steps: int, mesh: tuple[int, int, int]):
     c.compilation_cache_dir = ""
     c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8))
-    c.rollout.update(dict(num_groups=4, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=24,
+    c.rollout.update(dict(num_groups=4, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
                           max_seq_len=400))
     c.starpo.update(dict(adv_estimator="gae", critic="separate", use_kl_loss=True, mini_batch_size=4))
     c.filter.update(dict(value=1.0, include_zero=True))
     c.collapse.update(dict(compute_freq=1, num_samples=4, micro_batch_size=8))
-    c.warmup.update(dict(single_turn_steps=0, steps=0))
+    c.warmup.update(dict(single_turn_steps=args.warmup, steps=args.warmup, batch_size=4, num_states=4,
+                         heldout_states=8))
     c.eval.num_episodes = 4
     c.trainer.update(dict(total_steps=steps, eval_every=2, save_every=1, transcript_every=1, progress_bar=False))
     c.mesh.update(dict(data=mesh[0], fsdp=mesh[1], tensor=mesh[2]))

@@ -71,7 +71,8 @@ def _assert_same_metrics(a: dict, b: dict, steps, what: str):
             assert abs(x - y) <= tol, f"{what}: {key} at step {s}: {x} vs {y}"
             compared += 1
     assert compared > 100, f"{what}: only {compared} values compared"
-    for key in ("actor/grad_norm", "critic/grad_norm", "actor/kl_loss", "val/success", "rollout/filter_kept_ratio"):
+    for key in ("actor/grad_norm", "critic/grad_norm", "actor/kl_loss", "val/success", "rollout/filter_kept_ratio",
+                "warmup/loss"):
         assert key in a and key in b, f"{what}: {key} not logged"
     # The update really trained (no SNR filtering, GAE with a critic): gradients are not zero.
     assert all(v > 0 for _, v in a["actor/grad_norm"]) and all(v > 0 for _, v in a["critic/grad_norm"])
@@ -80,10 +81,11 @@ def _assert_same_metrics(a: dict, b: dict, steps, what: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """1 device and an 8-device (data 2, fsdp 2, tensor 2) mesh, 3 steps each; 2 processes × 4
-    devices on the same mesh for 2 steps; its workdir resumed to step 3 on 1 × 8 and 1 × 1."""
+    devices on the same mesh for 2 steps; its workdir resumed to step 3 on 1 × 8 and 1 × 1. Each
+    new run starts with 2 + 2 behaviour-cloning steps (demonstrations, BC updates, board reading)."""
     d = tmp_path_factory.mktemp("mesh")
-    one_cmd, one = _check(d / "one", 3)
-    eight_cmd, eight = _check(d / "eight", 3, devices=8, mesh="2,2,2")
+    one_cmd, one = _check(d / "one", 3, warmup=2)
+    eight_cmd, eight = _check(d / "eight", 3, devices=8, mesh="2,2,2", warmup=2)
     _run(one_cmd)
     _run(eight_cmd)
 
@@ -91,7 +93,7 @@ def runs(tmp_path_factory):
     procs = []
     for pid in range(2):
         cmd, multi = _check(d / "multi", 2, devices=4, mesh="2,2,2", coordinator=f"127.0.0.1:{port}",
-                            num_processes=2, process_id=pid)
+                            num_processes=2, process_id=pid, warmup=2)
         if pid:
             cmd = cmd[:cmd.index("--out")] + cmd[cmd.index("--out") + 2:]  # process 1 reports nothing
         procs.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
