@@ -2,11 +2,18 @@
 # Run ragen_jax on every host of a Cloud TPU pod slice (multi-host JAX).
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE configs/sokoban.py --config.model.preset=qwen2.5-3b \
-#       --config.model.path=/data/Qwen2.5-3B-Instruct --config.workdir=gs://bucket/runs/sokoban
+#       --config.model.path=/data/Qwen2.5-3B-Instruct --config.workdir=/mnt/shared/runs/sokoban \
+#       --config.mesh.fsdp=-1
 #
-# Every host runs the same command; jax.distributed.initialize() (--distributed) discovers the
-# pod topology from the TPU metadata, so no coordinator address is needed. The repository and the
-# model directory must exist at the same path on every host (e.g. a shared disk or a prior scp).
+# What runs: over `gcloud compute tpus tpu-vm ssh --worker=all`, every host of the slice runs
+#     cd REPO_DIR && python3 -m ragen_jax.launch --distributed --config CONFIG OVERRIDES...
+# jax.distributed.initialize() (--distributed) discovers the pod topology from the TPU metadata (no
+# coordinator address needed) and the hosts form one mesh over every chip (config.mesh; default
+# data parallel, fsdp=-1 shards weights and optimizer states over all of them). Host 0 writes
+# TensorBoard, transcripts and the summary; every host writes its shards of each checkpoint. The
+# repository, the model directory and the workdir must be at the same path on every host, the
+# workdir on a filesystem all of them share (a Filestore or GCS FUSE mount: workdirs are local
+# paths, not gs:// URLs).
 set -euo pipefail
 if [[ $# -lt 3 ]]; then
   echo "usage: $0 TPU_NAME ZONE CONFIG [--config.key=value ...]" >&2

@@ -74,7 +74,8 @@ class Placement:
     def describe(self) -> str:
         shape = " × ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
         procs = f" over {self.num_processes} processes" if self.num_processes > 1 else ""
-        return f"mesh {shape} ({jax.device_count()} {jax.devices()[0].platform} devices{procs})"
+        n = self.mesh.size
+        return f"mesh {shape} ({n} {jax.devices()[0].platform} device{'s' if n != 1 else ''}{procs})"
 
     # ------------------------------------------------------------------------------------------
     # Shardings

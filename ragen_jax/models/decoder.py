@@ -124,8 +124,7 @@ class Attention(nnx.Module):
         else:
             cache = write_layer(cache, layer, positions, k, v)
             k, v = cache.k[layer], cache.v[layer]  # [B, S, K, Hd]
-            mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-            out = _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+            out = _cached_attend(q, k.astype(q.dtype), v.astype(q.dtype), positions, cfg.attention_block_size)
         return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -144,6 +143,26 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, H, Hd)
+
+
+def _cached_attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """Attention of new queries over a KV cache, one block of queries at a time.
+
+    q [B, T, H, Hd], positions int32 [B, T]; k, v [B, S, K, Hd] (the whole cache) -> [B, T, H, Hd];
+    query [b, t] sees the slots ``<= positions[b, t]``. A prefill chunk of T tokens over an S-slot
+    cache would hold [B, H, T, S] float32 scores at once (~9 GB for 128 rows of a 300-token turn over
+    4,096 slots of a 14-head model); blocks of ``block_size`` queries bound that to [B, H, block, S].
+    Decoding (T = 1) is one block.
+    """
+    T = q.shape[1]
+    block = T if block_size <= 0 else block_size
+    slots = jnp.arange(k.shape[1])
+    outs = []
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        mask = slots[None, None, :] <= positions[:, start:end, None]  # [B, block, S]
+        outs.append(_attend(q[:, start:end], k, v, mask))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def _causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int,

@@ -104,7 +104,7 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     With ``model.param_dtype=bfloat16`` this is "bf16 parameters, fp32 optimizer state": 10 bytes per
     parameter instead of 12 with float32 weights (bfloat16 moments would be 6, but lose the second
     moment's precision). The weights themselves keep bfloat16's: an update smaller than half a
-    weight's bfloat16 spacing (2^-8 of its magnitude) rounds away, which at RAGEN's actor_lr=1e-6 is
+    weight's bfloat16 spacing (0.2–0.4% of its magnitude) rounds away, which at RAGEN's actor_lr=1e-6 is
     most of them — for fine-tuning prefer ``param_dtype=float32`` with ``dtype=bfloat16`` compute.
     With float32 parameters the casts are the identity.
     """

@@ -119,6 +119,17 @@ def make_placement(spec: RunSpec):
     return placement
 
 
+def _check_env_fits_processes(env, placement) -> None:
+    """A host environment (Python in the loop) keeps its episodes in one Python process."""
+    from ragen_jax.rollout.host_env import HostEnv
+    from ragen_jax.training.configuration import ConfigError
+
+    if isinstance(env, HostEnv) and placement.num_processes > 1:
+        raise ConfigError(f"{type(env).__name__} is a host environment: its episodes live in one Python process, "
+                          f"and this run has {placement.num_processes}. Run it in one process (without "
+                          "--distributed; several local devices are fine), or use an on-device environment")
+
+
 def setup(spec: RunSpec, placement=None) -> Setup:
     """Model, env, train state (policy, optional critic), rollout and update step for ``spec``,
     laid out on ``placement`` (default: the mesh of ``config.mesh``)."""
@@ -131,6 +142,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     placement = placement or make_placement(spec)
     tokenizer, model_cfg, model = build_model(spec, placement)
     env, env_params = build_env(spec)
+    _check_env_fits_processes(env, placement)
     mode = spec.starpo.critic_mode
     critic = None
     if mode == "shared":
