@@ -146,6 +146,7 @@ def test_planner_fsdp_divides_parameters_and_optimizer_state():
         ratio = eight[key] / one[key]
         # Everything 2-D is split 8 ways; norm gains and biases (replicated) keep it a little above 1/8.
         assert 1 / 8 <= ratio < 0.16, (key, ratio)
-    assert one["optimizer_states"] == 2 * (one["policy_params"] + one["critic_params"])  # AdamW: m and v
+    # AdamW: m and v per parameter, plus a few int32 step counters.
+    assert 0 <= one["optimizer_states"] - 2 * (one["policy_params"] + one["critic_params"]) <= 64
     assert eight["peak"] < one["peak"]
     assert "A100/H100 80GB" in proc.stdout and "fits" in proc.stdout

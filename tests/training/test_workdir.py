@@ -141,6 +141,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, cap
 def test_no_intact_checkpoint_lists_each_reason(tmp_path):
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
     ckpt.save(1, _state(1), {"step": 1})
+    ckpt.wait()  # saves are asynchronous: the files exist once it is on disk
     _damage_data_file(tmp_path / "checkpoints" / "1")
     with pytest.raises(NoIntactCheckpoint, match=r"step 1: .*overwrite=True"):
         ckpt.restore_latest_intact(_state(0))
