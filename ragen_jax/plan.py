@@ -17,6 +17,9 @@ peak is the larger of the two phases (the train state lives through both):
 Figures are estimates: they come from XLA's CPU compiler, whose fusion and buffer reuse differ from a
 GPU's or TPU's, and exclude the framework's reserve (JAX pre-allocates 75% of a GPU by default:
 ``XLA_PYTHON_CLIENT_MEM_FRACTION=.95`` raises it). "fits" below means peak <= 90% of the device.
+With ``model.dtype=bfloat16`` they are pessimistic: the CPU backend runs some bfloat16 operations in
+float32 and keeps float32 copies of their operands (seen for Qwen2.5-3B: a float32 copy of the whole
+19 GB KV cache in the rollout's temporaries), which a GPU or TPU program does not need.
 
 Presets plan without their files: the Qwen2.5 architectures are written out below (their
 ``config.json`` values; ``model.path`` with a config.json overrides), SmolLM2's is read from the
