@@ -300,8 +300,9 @@ class CollapseConfig:
     batch: ``first_turn_enabled`` / ``trajectory_enabled`` select the two pair samples, each of
     ``num_samples`` reasoning spans. Z-scores divide by ``marginal_std + std_eps`` and by its EMA
     (``ema`` decay). ``micro_batch_size`` [x|z] sequences are scored per forward pass;
-    ``max_reasoning_tokens`` bounds Z (None = the trajectory length; longer spans are truncated and
-    counted). Regimes are classified against the mean of the first ``baseline_steps`` computations:
+    ``max_reasoning_tokens`` bounds Z (None = the trajectory length, which a run's ``resolve`` turns
+    into ``rollout.max_new_tokens``: a reasoning never outgrows its reply; longer spans are truncated
+    and counted). Regimes are classified against the mean of the first ``baseline_steps`` computations:
     MI is low below ``regime_mi_ratio`` × baseline, H(Z|X) below ``regime_entropy_ratio`` × baseline.
     ``prefix_cache``: encode each prompt once into a KV cache shared by every reasoning scored under
     it (same numbers, far less compute when prompts are long); False scores every [x|z] sequence whole.

@@ -162,6 +162,10 @@ def resolve(config: ConfigDict) -> RunSpec:
     starpo = _build("starpo", StarPOConfig, config.starpo.to_dict())
     filt = _build("filter", FilterConfig, config.filter.to_dict())
     collapse = _build("collapse", CollapseConfig, config.collapse.to_dict())
+    if collapse.max_reasoning_tokens is None:
+        # A reasoning lies inside one reply: the MI proxy's scoring buffers need no more room than
+        # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
+        collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
     # Cross-section constraints.
     if rollout.temperature <= 0:

@@ -3,8 +3,9 @@
 What is compared: every scalar the runs log (losses, gradient norms, advantages, the SNR filter's
 statistics, the MI proxy, validation), step by step. Layouts differ only in the order of float
 reductions (a sum over 8 shards is not the sum over 1), so values agree to ``ATOL`` / ``RTOL``
-(seen: ≤ 2e-5) — except clip fractions, which count tokens on either side of a threshold and may
-move by one token (``1 / CLIP_TOKENS``). Fixed seeds: the same layouts always give the same numbers.
+(seen: ≤ 2e-5) — except counts of discrete events, which may move by one: clip fractions count
+tokens on either side of a threshold (``1 / CLIP_TOKENS``), the MI proxy's retrieval rates rank
+log-probs that an untrained model makes nearly equal (``1 / MI_SAMPLES``). Fixed seeds: the same layouts always give the same numbers.
 """
 import json
 import os
@@ -22,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CHECK = os.path.join(HERE, "mesh_check.py")
 ATOL, RTOL = 1e-4, 1e-4
 CLIP_TOKENS = 64  # a clip fraction may differ by one token of at least this many
+MI_SAMPLES = 4  # collapse.num_samples of mesh_check.py: retrieval rates may differ by one sample
 
 
 def _env(**extra):
@@ -67,7 +69,11 @@ def _assert_same_metrics(a: dict, b: dict, steps, what: str):
             if s not in va or s not in vb:
                 continue
             x, y = va[s], vb[s]
-            tol = 1.0 / CLIP_TOKENS if "clipfrac" in key else ATOL + RTOL * abs(x)
+            tol = ATOL + RTOL * abs(x)
+            if "clipfrac" in key:
+                tol = 1.0 / CLIP_TOKENS
+            elif "retrieval_" in key:
+                tol = 1.0 / MI_SAMPLES + 1e-6
             assert abs(x - y) <= tol, f"{what}: {key} at step {s}: {x} vs {y}"
             compared += 1
     assert compared > 100, f"{what}: only {compared} values compared"
@@ -106,7 +112,8 @@ def runs(tmp_path_factory):
     resumed = {}
     for name, devices, mesh in (("resumed8", 8, "2,2,2"), ("resumed1", 1, "1,1,1")):
         shutil.copytree(d / "multi", d / name)
-        cmd, out = _check(d / name, 3, devices=devices, mesh=mesh, dump_restored=d / f"{name}.npz")
+        cmd, out = _check(d / name, 3, devices=devices, mesh=mesh, dump_restored=d / f"{name}.npz",
+                          warmup=2)  # the run's own config (its warm-up is not run again)
         _run(cmd)
         resumed[name] = (out, d / f"{name}.npz")
     return {"dir": d, "one": one, "eight": eight, "multi": multi, "multi_out": outs, **resumed}
