@@ -167,7 +167,14 @@ def resolve(config: ConfigDict) -> RunSpec:
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
-    # Cross-section constraints.
+    _check_across_sections(config.env.name, rollout, starpo, warmup)
+    return RunSpec(config=config, env_name=config.env.name, env_kwargs=env_kwargs,
+                   env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
+                   collapse=collapse, preset=preset)
+
+
+def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
+    """Constraints between sections: training temperature, batch layout, a solver for the warm-up."""
     if rollout.temperature <= 0:
         _fail(f"rollout.temperature={rollout.temperature} would make every training rollout greedy: the "
               "episodes of a group would be identical, their rewards would have no spread and StarPO would "
@@ -179,11 +186,8 @@ def resolve(config: ConfigDict) -> RunSpec:
     except ValueError as e:
         _fail(f"{e} (rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} "
               f"= {rollout.batch_size} trajectories)")
-    if (warmup.steps or warmup.single_turn_steps) and config.env.name not in ("sokoban", "frozen_lake"):
+    if (warmup.steps or warmup.single_turn_steps) and env_name not in ("sokoban", "frozen_lake"):
         key = "warmup.steps" if warmup.steps else "warmup.single_turn_steps"
-        _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={config.env.name!r} has no expert "
+        _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={env_name!r} has no expert "
               "solver; behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")
-    return RunSpec(config=config, env_name=config.env.name, env_kwargs=env_kwargs,
-                   env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
-                   collapse=collapse, preset=preset)
