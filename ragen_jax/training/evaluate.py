@@ -142,14 +142,18 @@ def run_eval(spec) -> dict[str, float]:
     if ckpt is not None:
         ckpt.close()
     ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, cfg.eval,
-                   spec.rollout.batch_size)
-    path = Path(cfg.workdir) / "eval" / f"transcripts_step{step}.jsonl" if cfg.eval.write_transcripts else None
+                   spec.rollout.batch_size, placement=run.placement)
+    main = run.placement.is_main  # with several processes, one writes and prints
+    path = None
+    if cfg.eval.write_transcripts and main:
+        path = Path(cfg.workdir) / "eval" / f"transcripts_step{step}.jsonl"
     if path is not None and path.exists():
         path.unlink()
     metrics = ev(params, step, path)
-    width = max(len(k) for k in metrics)
-    for k, v in metrics.items():
-        print(f"{k:<{width}}  {v:.4f}")
-    if path is not None:
-        print(f"transcripts: {path}")
+    if main:
+        width = max(len(k) for k in metrics)
+        for k, v in metrics.items():
+            print(f"{k:<{width}}  {v:.4f}")
+        if path is not None:
+            print(f"transcripts: {path}")
     return metrics
