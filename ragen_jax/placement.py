@@ -100,9 +100,6 @@ class Placement:
         return jax.tree.map(lambda x: NamedSharding(self.mesh, sharding_lib.batch_spec(np.shape(x), self.mesh))
                             if np.ndim(x) else self.replicated, tree)
 
-    def replicated_shardings(self, tree):
-        return jax.tree.map(lambda _: self.replicated, tree)
-
     def create(self, make: Callable[[], Any]):
         """``make()`` (an ``nnx.Module`` constructor call) with every array created in its shards.
 
@@ -189,12 +186,6 @@ class Placement:
         from jax.experimental import multihost_utils
 
         return multihost_utils.broadcast_one_to_all(value)
-
-    def main_only(self, fn: Callable[[], Any], name: str) -> Any:
-        """Run ``fn`` on the main process, then ``sync``; returns its result there, None elsewhere."""
-        out = fn() if self.is_main else None
-        self.sync(name)
-        return out
 
     def jit(self, fn: Callable, **kwargs) -> Callable:
         """``jax.jit(fn, **kwargs)`` whose trace sees this mesh (``jax.sharding.get_abstract_mesh``),
