@@ -158,6 +158,27 @@ def coord_line(
     return jnp.concatenate([head_pieces, cell_pieces]), jnp.concatenate([head_keep, cell_keep])
 
 
+def digit_ids(table: PieceTable) -> np.ndarray:
+    """int32 [10]: the piece ids of ``"0"`` .. ``"9"`` (added to ``table`` when missing)."""
+    table.extend(str(d) for d in range(10))
+    return table.ids([str(d) for d in range(10)])
+
+
+def int_section(value: chex.Array, digits: chex.Array, max_digits: int = 10) -> tuple[chex.Array, chex.Array]:
+    """A non-negative int as decimal digit pieces (``str(value)``), a ``(pieces, keep)`` section.
+
+    value: int32 [] (negative values print as ``0``); digits: int32 [10] from ``digit_ids``;
+    ``max_digits`` must cover the largest value (int32 needs 10).
+    """
+    v = jnp.maximum(jnp.asarray(value, jnp.int32), 0)
+    # Powers of ten as int64 would not exist without x64; 10**9 is the largest that fits int32.
+    powers = jnp.asarray([10 ** k for k in range(max_digits - 1, -1, -1)], jnp.int32)
+    each = (v // powers) % 10
+    n = jnp.maximum(jnp.sum(v >= powers), 1)
+    keep = jnp.arange(max_digits) >= max_digits - n
+    return jnp.asarray(digits, jnp.int32)[each], keep
+
+
 def const_section(ids: Sequence[int]) -> tuple[chex.Array, chex.Array]:
     """Fixed pieces that are always present (headers, the board-size line, ...)."""
     pieces = jnp.asarray(list(ids), jnp.int32).reshape(-1)
@@ -195,6 +216,8 @@ __all__ = [
     "PAD",
     "PieceTable",
     "cat_sections",
+    "digit_ids",
+    "int_section",
     "compact",
     "concat",
     "const_section",

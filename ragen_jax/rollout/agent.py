@@ -205,12 +205,30 @@ def build_system_text(env, fmt: str, config: RolloutConfig, board_shape, env_par
     shows_grid = fmt in ("grid", "grid_coord")
     legend = env.legend() if shows_grid else None
     # Free-text observations (the bandit) name their own choices; the global action list would
-    # only leak every episode's options into the system prompt.
-    actions = None if fmt == "text" else tuple(env.action_names)
+    # only leak every episode's options into the system prompt. An env says otherwise with
+    # ``list_actions`` (2048 and the cube render text but have a fixed move set); free-text
+    # actions (``parse_action``) have no list.
+    lists = getattr(env, "list_actions", fmt != "text")
+    actions = tuple(env.action_names) if lists and not hasattr(env, "parse_action") else None
     return prompts.system_message(
         instruction, legend=legend, action_names=actions,
         max_actions_per_turn=config.max_actions_per_turn,
     )
+
+
+def action_vocab(env, reply_bytes: int):
+    """What the parser matches answer parts against: the env's action names, or — for an env with
+    free-text actions (``env.parse_action``) — a ``parser.TextActions`` of the env's own parser."""
+    if hasattr(env, "parse_action"):
+        return parser_lib.TextActions(env.parse_action, int(getattr(env, "max_action_bytes", None) or reply_bytes))
+    return parser_lib.ActionVocab.from_names(tuple(env.action_names))
+
+
+def random_action(env):
+    """``key -> action``: a uniformly random action (``env.random_action`` for free-text envs)."""
+    if hasattr(env, "random_action"):
+        return env.random_action
+    return lambda key: jax.random.randint(key, (), 0, env.num_actions)
 
 
 class Rollout:
@@ -256,7 +274,6 @@ class Rollout:
             max_obs_pieces=max_obs_pieces, max_obs_tokens=max_obs_tokens, reward_decimals=config.reward_decimals,
             reward_limit=config.reward_limit,
         )
-        self.vocab = parser_lib.ActionVocab.from_names(tuple(env.action_names))
 
         # Reply bytes: one extra table row holds the forced prefix's bytes.
         byte_table, byte_len = codec_lib.token_byte_table(tokenizer)
@@ -269,6 +286,7 @@ class Rollout:
         self.byte_len = jnp.asarray(np.concatenate([byte_len, [len(prefix)]]).astype(np.int32))
         self.prefix_row = byte_table.shape[0]
         self.reply_bytes = len(prefix) + config.max_new_tokens * byte_table.shape[1]
+        self.vocab = action_vocab(env, self.reply_bytes)
 
         self.stop_ids = jnp.asarray([self.codec.eot_id], jnp.int32)
         if config.stop_at_answer:
@@ -334,7 +352,7 @@ class Rollout:
         @jax.jit
         def walk(state, key):
             ka, ks = jax.random.split(key)
-            acts = jax.random.randint(ka, (batch,), 0, env.num_actions)
+            acts = jax.vmap(random_action(env))(jax.random.split(ka, batch))
             # step_env: no auto-reset, so the level generator is compiled once (in ``first``)
             _, state, *_ = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(jax.random.split(ks, batch), state, acts, ep)
             return state, count(state)
@@ -539,10 +557,12 @@ class Rollout:
 
         def act(sc, k):
             st, nact, env_done, rsum, succ, nexe, neff = sc
-            a = parsed.actions[:, k]
+            a = jax.tree.map(lambda x: x[:, k], parsed.actions)
+            if isinstance(self.vocab, parser_lib.ActionVocab):
+                a = jnp.maximum(a, 0)  # -1 pads the unused slots
             do = active & (k < parsed.n_valid) & (nact < c.max_actions_per_traj) & ~env_done
             skeys = jax.vmap(lambda key, n: jax.random.fold_in(key, n + 1))(env_keys, nact)
-            st, r, term, trunc, info = self._step_batch(skeys, st, jnp.maximum(a, 0), do)
+            st, r, term, trunc, info = self._step_batch(skeys, st, a, do)
             ended = do & (term | trunc)
             return (st, nact + do, env_done | ended, rsum + jnp.where(do, r, 0.0),
                     succ | (ended & info["success"] & term), nexe + do,

@@ -22,6 +22,10 @@ Example — a custom environment::
                   instruction="Guess the hidden number. Answer like <answer>3</answer>.\\n")
     rollout = make_rollout(graphdef, env, env.default_params(), tokenizer, RolloutConfig(...))
 
+Free-text actions (``action_names=None``): each answer part reaches ``step`` as the string the
+model wrote (``search[who wrote Emma]``, ``The answer is: 12``), as the original passes language
+environments their actions; the bytes travel to the host with the step call.
+
 ``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
 ``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
 same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
@@ -64,16 +68,22 @@ class HostEnv:
         make_env: Callable[[], Any],
         tokenizer,
         *,
-        action_names: tuple[str, ...],
+        action_names: tuple[str, ...] | None,
         batch_size: int,
         max_obs_tokens: int = 256,
         instruction: str = "",
+        max_action_bytes: int | None = None,
     ):
-        if not action_names:
-            raise ValueError("HostEnv needs action_names: the device parser matches replies against a fixed list")
+        if action_names is not None and not action_names:
+            raise ValueError("HostEnv: action_names is empty; pass the fixed action names, or None for free-text "
+                             "actions (each answer part reaches step() as a string)")
         self.make_env = make_env
         self.tokenizer = tokenizer
-        self.action_names = tuple(action_names)
+        self.action_names = () if action_names is None else tuple(action_names)
+        if action_names is None:
+            # Free text: the parser hands every answer part over as bytes (``parser.TextActions``).
+            self.parse_action = lambda part, n: ((part, n), n > 0)
+            self.max_action_bytes = max_action_bytes
         self.batch_size = batch_size
         self.max_obs_tokens = max_obs_tokens
         self.instruction = instruction
@@ -115,12 +125,38 @@ class HostEnv:
         n = np.zeros((len(seeds),), np.int32)
         self._steps = np.zeros((len(seeds),), np.int64)
         for i, s in enumerate(seeds):
-            toks[i], n[i] = self._encode(self.envs[i].reset(int(s)))
+            toks[i], n[i] = self._encode(self._checked_text(
+                self._call(i, "reset", lambda: self.envs[i].reset(int(s))), i, "reset"))
         return toks, n
 
+    def _name(self, i: int) -> str:
+        return type(self.envs[i]).__name__
+
+    def _call(self, i: int, what: str, fn):
+        """Run the Python env's reset/step; its exception is re-raised naming the env, row and step
+        (raised inside ``io_callback`` it would otherwise surface as an anonymous XLA error)."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            step = "reset" if what == "reset" else f"step {int(self._steps[i]) + 1}"
+            raise RuntimeError(f"HostEnv {self._name(i)} raised {type(e).__name__} at {step} of row {i}: {e}") from e
+
+    def _checked_text(self, text, i: int, what: str) -> str:
+        if not isinstance(text, str):
+            raise TypeError(f"HostEnv {self._name(i)}.{what}() at step {int(self._steps[i])} of row {i} returned "
+                            f"{type(text).__name__} as the observation; it must return text (str)")
+        return text
+
+    def _action_text(self, actions, i: int) -> str:
+        if self.action_names:
+            return self.action_names[int(actions[i])]
+        part, n = actions
+        return bytes(np.asarray(part[i][: int(n[i])], np.uint8)).decode("utf-8", errors="replace")
+
     def _host_step(self, actions, do):
-        actions, do = np.asarray(actions), np.asarray(do)
-        b = len(actions)
+        actions = jax.tree.map(np.asarray, actions)
+        do = np.asarray(do)
+        b = len(do)
         toks = np.zeros((b, self.max_obs_tokens), np.int32)
         n = np.zeros((b,), np.int32)
         reward = np.zeros((b,), np.float32)
@@ -128,9 +164,19 @@ class HostEnv:
         for i in range(b):
             if not do[i]:
                 continue
-            action = self.action_names[int(actions[i])]
-            text, r, done, info = self.envs[i].step(action)
+            action = self._action_text(actions, i)
+            out = self._call(i, "step", lambda: self.envs[i].step(action))
+            if not (isinstance(out, tuple) and len(out) == 4):
+                raise TypeError(f"HostEnv {self._name(i)}.step() at step {int(self._steps[i]) + 1} of row {i} returned "
+                                f"{type(out).__name__}; it must return (text, reward, done, info)")
+            text, r, done, info = out
             self._steps[i] += 1
+            self._checked_text(text, i, "step")
+            try:
+                r = float(r)
+            except (TypeError, ValueError):
+                raise TypeError(f"HostEnv {self._name(i)}.step() at step {int(self._steps[i])} of row {i} returned "
+                                f"reward {r!r}; it must be a number") from None
             if not np.isfinite(r):
                 # Shown to the model as "Reward: 0.0" / the clip limit and summed into the returns,
                 # a NaN or inf would corrupt the turn text and every advantage of the batch.
@@ -158,14 +204,16 @@ class HostEnv:
     def step_batch(self, keys, state: HostEnvState, actions, params, do):
         """Step the rows with ``do``; the others keep their state. Returns
         ``(state, reward, terminated, truncated, info)`` with ``[B]`` leaves."""
-        b = actions.shape[0]
+        b = do.shape[0]
         shapes = (
             jax.ShapeDtypeStruct((b, self.max_obs_tokens), jnp.int32),
             jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((b,), jnp.float32),
             jax.ShapeDtypeStruct((4, b), jnp.bool_),
         )
-        toks, n, reward, flags = io_callback(self._host_step, shapes, actions.astype(jnp.int32), do)
+        if self.action_names:
+            actions = jnp.asarray(actions, jnp.int32)
+        toks, n, reward, flags = io_callback(self._host_step, shapes, actions, do)
         new = HostEnvState(
             obs_tokens=jnp.where(do[:, None], toks, state.obs_tokens),
             obs_n=jnp.where(do, n, state.obs_n),

@@ -12,6 +12,15 @@ Rules (the original's, stated on bytes):
   4. Format penalty for the turn iff there was no match, or a kept part was not a known action, or
      no action is valid. No valid action → the env is not stepped.
 
+Free-text actions (Sudoku's ``place 5 at row 2 col 3``, Countdown's equations, a host env's search
+query): instead of a name table the caller passes a ``TextActions`` — the part's bytes
+(``uint8 [width]``, the stripped part, zero-padded) and its length go to the environment's own
+``parse_action``, which returns the action (any pytree) and whether the manager counts the part as
+a valid action. The original hands such parts to the environment as strings and never penalises
+them at the manager level; our environments return ``True`` for every non-empty part, so the
+rules above hold unchanged (a part longer than ``width`` reaches the env with its true length,
+and the env decides).
+
 Whitespace and case are ASCII (``\\s`` = ``[ \\t\\n\\r\\f\\v]``, ``bytes.lower``): the original
 works on decoded ``str`` and would additionally strip Unicode spaces and fold non-ASCII case; the
 action names are ASCII, so the two differ only on replies that pad names with non-ASCII spaces.
@@ -23,6 +32,7 @@ with no sequential scan.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import chex
 import jax
@@ -36,7 +46,8 @@ _WHITESPACE = np.array([32, 9, 10, 13, 12, 11], np.uint8)
 @chex.dataclass(frozen=True)
 class ParsedReply:
     matched: chex.Array  # bool [] the think/answer pattern matched
-    actions: chex.Array  # int32 [A] valid action ids in order, -1 after n_valid
+    actions: chex.Array  # int32 [A] valid action ids in order, -1 after n_valid (a pytree of [A, ...]
+    #                      leaves, valid ones first, for ``TextActions``)
     n_parsed: chex.Array  # int32 [] non-empty answer parts kept (<= A)
     n_valid: chex.Array  # int32 [] of those, known action names
     format_penalty: chex.Array  # bool [] the turn is penalised
@@ -63,6 +74,14 @@ class ActionVocab:
         for i, e in enumerate(enc):
             table[i, : len(e)] = np.frombuffer(e, np.uint8)
         return cls(tuple(names), table, np.array([len(e) for e in enc], np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextActions:
+    """Free-text actions: ``parse(part uint8 [width], length int32 []) -> (action pytree, valid bool [])``."""
+
+    parse: Callable
+    width: int
 
 
 def _find(buf, valid, tag: bytes):
@@ -125,8 +144,24 @@ def _match_actions(ans, starts, ends, n_parsed, vocab: ActionVocab, max_actions:
     return jnp.full((max_actions,), -1, jnp.int32).at[dest].set(action, mode="drop"), n_valid
 
 
-def parse_reply(buf, n, vocab: ActionVocab, max_actions: int, enable_think: bool = True) -> ParsedReply:
-    """Parse one reply. ``buf`` uint8 ``[L]`` (forced prefix included), ``n`` int32 [] valid bytes."""
+def _parse_text_actions(ans, starts, ends, n_parsed, text: TextActions, max_actions: int):
+    """Each kept part's bytes through ``text.parse``; the valid actions moved to the front."""
+    length = ans.shape[0]
+    j = jnp.arange(text.width)
+    part_len = jnp.maximum(ends - starts + 1, 0)  # [A]
+    gather = jnp.minimum(starts[:, None] + j[None, :], length - 1)
+    parts = jnp.where(j[None, :] < part_len[:, None], ans[gather], 0).astype(jnp.uint8)
+    actions, ok = jax.vmap(text.parse)(parts, part_len.astype(jnp.int32))
+    slot_ok = ok & (jnp.arange(max_actions) < n_parsed)
+    # Stable order: valid slots first (a permutation, so pytree actions move as a whole).
+    order = jnp.argsort(~slot_ok, stable=True)
+    actions = jax.tree.map(lambda x: x[order], actions)
+    return actions, jnp.sum(slot_ok).astype(jnp.int32)
+
+
+def parse_reply(buf, n, vocab: ActionVocab | TextActions, max_actions: int, enable_think: bool = True) -> ParsedReply:
+    """Parse one reply. ``buf`` uint8 ``[L]`` (forced prefix included), ``n`` int32 [] valid bytes;
+    ``vocab`` the action names or, for free-text actions, a ``TextActions``."""
     length = buf.shape[0]
     idx = jnp.arange(length, dtype=jnp.int32)
     valid = idx < n
@@ -182,7 +217,10 @@ def parse_reply(buf, n, vocab: ActionVocab, max_actions: int, enable_think: bool
     ends = jnp.full((max_actions,), -1, jnp.int32).at[slot].max(idx, mode="drop")
     n_parsed = jnp.minimum(n_parts, max_actions)
 
-    actions, n_valid = _match_actions(ans, starts, ends, n_parsed, vocab, max_actions)
+    if isinstance(vocab, TextActions):
+        actions, n_valid = _parse_text_actions(ans, starts, ends, n_parsed, vocab, max_actions)
+    else:
+        actions, n_valid = _match_actions(ans, starts, ends, n_parsed, vocab, max_actions)
     penalty = (n_valid == 0) | (n_valid != n_parsed)
     return ParsedReply(
         matched=matched,

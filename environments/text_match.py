@@ -1,0 +1,101 @@
+"""Fixed-size text matching on device: ``re.search`` for the few answer patterns the envs read.
+
+A pattern is a tuple of elements — a literal (``bytes``), ``WS`` (``\\s+``), ``OPT_WS`` (``\\s*``)
+or ``NUM`` (a captured ``\\d+``). Every quantified element is followed by something outside its
+class (a digit run by a space, comma or bracket; a space run by a non-space), so greedy matching
+never backtracks and a match attempt is a fixed sequence of gathers. ``search`` runs the attempt at
+every start position at once and keeps the leftmost success — ``re.search``'s answer.
+
+Bytes are ASCII: ``\\s`` is ``[ \\t\\n\\r\\f\\v]`` and ``\\d`` is ``[0-9]`` (Python's ``str`` patterns
+would also accept Unicode spaces and digits). A captured number of more than ``MAX_DIGITS`` digits
+reads as ``HUGE``.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WS, OPT_WS, NUM = "ws+", "ws*", "num"
+MAX_DIGITS = 9
+HUGE = 10 ** MAX_DIGITS - 1
+SPACES = np.array([32, 9, 10, 13, 12, 11], np.uint8)
+
+
+def lower(text: chex.Array) -> chex.Array:
+    """ASCII lower case of ``uint8 [L]``."""
+    return jnp.where((text >= ord("A")) & (text <= ord("Z")), text + 32, text).astype(text.dtype)
+
+
+def is_space(text: chex.Array) -> chex.Array:
+    return jnp.any(text[..., None] == jnp.asarray(SPACES), axis=-1)
+
+
+def strip_bounds(text: chex.Array, n: chex.Array) -> tuple[chex.Array, chex.Array]:
+    """``(first, end)`` of ``text[:n].strip()`` (ASCII spaces): the stripped text is ``text[first:end]``."""
+    idx = jnp.arange(text.shape[0])
+    content = ~is_space(text) & (idx < n)
+    first = jnp.where(jnp.any(content), jnp.argmax(content), 0)
+    end = jnp.where(jnp.any(content), jnp.max(jnp.where(content, idx + 1, 0)), 0)
+    return first.astype(jnp.int32), end.astype(jnp.int32)
+
+
+class Scanner:
+    """Per-position facts about one text buffer, shared by every pattern searched in it."""
+
+    def __init__(self, text: chex.Array, n: chex.Array):
+        length = text.shape[0]
+        idx = jnp.arange(length)
+        valid = idx < n
+        self.text, self.n, self.length = text, n, length
+        digit = valid & (text >= ord("0")) & (text <= ord("9"))
+        space = valid & is_space(text)
+        # Run lengths from each position: distance to the next position outside the class.
+        self.digit_run = jax.lax.cummin(jnp.where(digit, length, idx), reverse=True) - idx
+        self.space_run = jax.lax.cummin(jnp.where(space, length, idx), reverse=True) - idx
+        # Value of the digit run starting at each position (at most MAX_DIGITS digits, else HUGE).
+        j = jnp.arange(MAX_DIGITS)
+        d = jnp.where(digit, text.astype(jnp.int32) - ord("0"), 0)
+        dpad = jnp.concatenate([d, jnp.zeros((MAX_DIGITS,), jnp.int32)])
+        window = dpad[idx[:, None] + j[None, :]]                                   # [L, D]
+        run = jnp.minimum(self.digit_run, MAX_DIGITS)
+        power = jnp.where(j[None, :] < run[:, None], 10 ** jnp.maximum(run[:, None] - 1 - j[None, :], 0), 0)
+        value = jnp.sum(window * power, axis=1)
+        self.number = jnp.where(self.digit_run > MAX_DIGITS, HUGE, value).astype(jnp.int32)
+
+    def _at(self, arr, pos):
+        return arr[jnp.clip(pos, 0, self.length - 1)]
+
+    def contains(self, literal: bytes) -> chex.Array:
+        """bool []: ``literal in text[:n]``."""
+        k = len(literal)
+        idx = jnp.arange(self.length)
+        hit = idx + k <= self.n
+        for o, c in enumerate(literal):
+            hit = hit & (self._at(self.text, idx + o) == c)
+        return jnp.any(hit)
+
+    def search(self, pattern: tuple) -> tuple[chex.Array, chex.Array]:
+        """``(matched bool [], captured numbers int32 [num captures])`` of the leftmost match."""
+        pos = jnp.arange(self.length)
+        ok = pos < self.n
+        caps = []
+        for element in pattern:
+            if element == WS:
+                run = self._at(self.space_run, pos)
+                ok, pos = ok & (run >= 1) & (pos < self.n), pos + run
+            elif element == OPT_WS:
+                pos = pos + jnp.where(pos < self.n, self._at(self.space_run, pos), 0)
+            elif element == NUM:
+                run = self._at(self.digit_run, pos)
+                ok = ok & (run >= 1) & (pos < self.n)
+                caps.append(self._at(self.number, pos))
+                pos = pos + run
+            else:
+                for c in element:
+                    ok = ok & (pos < self.n) & (self._at(self.text, pos) == c)
+                    pos = pos + 1
+        first = jnp.argmax(ok)
+        numbers = jnp.stack([c[first] for c in caps]) if caps else jnp.zeros((0,), jnp.int32)
+        return jnp.any(ok), numbers
