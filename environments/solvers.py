@@ -1,11 +1,16 @@
-"""Shortest-path experts (NumPy / Python, host): optimal action sequences for Sokoban and FrozenLake.
+"""Experts (NumPy / Python, host): solvers and strong heuristics for every on-device environment.
 
-They check that generated levels are solvable and provide demonstrations for behaviour cloning.
-Action indices are the environments' own: Sokoban 0 Up, 1 Down, 2 Left, 3 Right; FrozenLake
-0 Left, 1 Down, 2 Right, 3 Up.
+They check that generated puzzles are solvable and provide demonstrations for behaviour cloning.
+Sokoban: optimal BFS; FrozenLake: shortest path avoiding holes; 2×2 cube: optimal-length search
+(bidirectional, up to 8 moves); Sudoku: backtracking with the fewest-candidates rule; Countdown:
+exhaustive search over every way of combining the numbers; 2048: expectimax over the next spawn with
+a standard board heuristic (empty cells, monotone rows, merges). Action indices are the
+environments' own: Sokoban 0 Up, 1 Down, 2 Left, 3 Right; FrozenLake 0 Left, 1 Down, 2 Right, 3 Up;
+2048 0 Up, 1 Right, 2 Down, 3 Left; cube 0 U, 1 U', ... 11 B'.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Sequence
 
@@ -164,7 +169,8 @@ def frozen_lake_shortest_path(desc_or_grid, start: Sequence[int], goal: Sequence
     return None
 
 
-__all__ = ["FROZEN_LAKE_MOVES", "SOKOBAN_MOVES", "frozen_lake_shortest_path", "solve_sokoban"]
+__all__ = ["FROZEN_LAKE_MOVES", "SOKOBAN_MOVES", "best_2048_move", "frozen_lake_shortest_path", "slide_2048",
+           "solve_countdown", "solve_cube", "solve_sokoban", "solve_sudoku"]
 
 
 def _backtrack(parent: dict, node) -> list[int]:
@@ -174,3 +180,219 @@ def _backtrack(parent: dict, node) -> list[int]:
         node, act = parent[node]
         actions.append(act)
     return actions[::-1]
+
+
+# --- 2048 -------------------------------------------------------------------------------------
+
+
+def slide_2048(board: np.ndarray, action: int) -> tuple[np.ndarray, int]:
+    """One move on a board of tile exponents (0 empty): ``(new board, merged value)``, no spawn.
+    0 Up, 1 Right, 2 Down, 3 Left; lines merge in the direction of travel, each tile once."""
+    b = np.array(board, dtype=np.int64)
+    lines = {0: b.T, 1: b[:, ::-1], 2: b[::-1, :].T, 3: b}[action].copy()
+    gained = 0
+    for i, line in enumerate(lines):
+        vals = [int(v) for v in line if v]
+        out, j = [], 0
+        while j < len(vals):
+            if j + 1 < len(vals) and vals[j] == vals[j + 1]:
+                out.append(vals[j] + 1)
+                gained += 2 ** (vals[j] + 1)
+                j += 2
+            else:
+                out.append(vals[j])
+                j += 1
+        lines[i] = out + [0] * (len(line) - len(out))
+    new = {0: lines.T, 1: lines[:, ::-1], 2: lines.T[::-1, :], 3: lines}[action]
+    return np.ascontiguousarray(new), gained
+
+
+def _board_value(b: np.ndarray) -> float:
+    """Heuristic: many empty cells, rows and columns monotone, neighbours mergeable."""
+    empty = np.sum(b == 0)
+    mono = 0.0
+    for lines in (b, b.T):  # penalise the smaller of the rises and the falls along each axis
+        d = np.diff(lines.astype(np.float64), axis=1)
+        mono -= min(np.sum(np.maximum(d, 0)), np.sum(np.maximum(-d, 0)))
+    merges = np.sum((b[:, 1:] == b[:, :-1]) & (b[:, 1:] > 0)) + np.sum((b[1:] == b[:-1]) & (b[1:] > 0))
+    return 2.7 * empty + 1.0 * mono + 0.7 * merges + 1.0 * b.max()
+
+
+def best_2048_move(board: np.ndarray, two_prob: float = 0.9) -> int | None:
+    """The move maximising the expected heuristic value after the next spawn (expectimax, one
+    move deep, averaging over every empty cell and both tile values). None when no move changes
+    the board."""
+    best, best_value = None, -np.inf
+    for a in range(4):
+        new, gained = slide_2048(board, a)
+        if np.array_equal(new, board):
+            continue
+        empties = np.argwhere(new == 0)
+        value = 0.0
+        for r, c in empties:
+            for tile, p in ((1, two_prob), (2, 1 - two_prob)):
+                nb = new.copy()
+                nb[r, c] = tile
+                value += p * _board_value(nb)
+        value = value / max(len(empties), 1) + 0.1 * np.log2(gained + 1)
+        if value > best_value:
+            best, best_value = a, value
+    return best
+
+
+# --- 2×2 cube ---------------------------------------------------------------------------------
+
+
+def _cube_tables(moves: str):
+    from environments.rubiks_cube import SOLVED, move_table
+
+    perms = [tuple(int(i) for i in p) for p in move_table(moves)]
+    inverse = [a ^ 1 for a in range(12)]  # U <-> U', ... (a prime follows its face)
+    return perms, inverse, tuple(int(v) for v in SOLVED)
+
+
+@functools.lru_cache(maxsize=2)
+def _cube_backward(moves: str, depth: int = 4) -> dict:
+    """Every state within ``depth`` moves of the solved cube -> the moves that solve it."""
+    perms, inverse, solved = _cube_tables(moves)
+    table = {solved: []}
+    frontier = [solved]
+    for _ in range(depth):
+        nxt = []
+        for s in frontier:
+            for a, p in enumerate(perms):
+                t = tuple(s[i] for i in p)
+                if t not in table:
+                    table[t] = [inverse[a]] + table[s]
+                    nxt.append(t)
+        frontier = nxt
+    return table
+
+
+def _cube_solved(s) -> bool:
+    return all(len(set(s[4 * f:4 * f + 4])) == 1 for f in range(6))
+
+
+def solve_cube(stickers, moves: str = "physical", max_forward: int = 4) -> list[int] | None:
+    """A shortest move sequence (up to ``4 + max_forward`` moves) to a cube with one colour per face.
+
+    Forward breadth-first search from ``stickers`` (stopping at any solved orientation) meets a
+    table of the states within 4 moves of the standard solved cube. None beyond that range.
+    """
+    perms, _, _ = _cube_tables(moves)
+    back = _cube_backward(moves)
+    start = tuple(int(v) for v in np.asarray(stickers).reshape(-1))
+    if _cube_solved(start):
+        return []
+    parent = {start: None}
+    frontier = [start]
+    best = back.get(start)
+    for depth in range(max_forward + 1):
+        found = None
+        for s in frontier:
+            if s in back:
+                path = _backtrack(parent, s) + back[s]
+                found = path if found is None or len(path) < len(found) else found
+            if _cube_solved(s):
+                path = _backtrack(parent, s)
+                found = path if found is None or len(path) < len(found) else found
+        if found is not None:
+            return found
+        if depth == max_forward:
+            break
+        nxt = []
+        for s in frontier:
+            for a, p in enumerate(perms):
+                t = tuple(s[i] for i in p)
+                if t not in parent:
+                    parent[t] = (s, a)
+                    nxt.append(t)
+        frontier = nxt
+    return best
+
+
+# --- Sudoku -----------------------------------------------------------------------------------
+
+
+def sudoku_candidates(grid: np.ndarray, r: int, c: int) -> list[int]:
+    n = grid.shape[0]
+    k = int(round(n ** 0.5))
+    br, bc = (r // k) * k, (c // k) * k
+    used = set(grid[r, :].tolist()) | set(grid[:, c].tolist()) | set(grid[br:br + k, bc:bc + k].reshape(-1).tolist())
+    return [v for v in range(1, n + 1) if v not in used]
+
+
+def solve_sudoku(grid, max_nodes: int = 200_000) -> np.ndarray | None:
+    """A completion of ``grid`` (0 = empty) by backtracking, always branching on the empty cell with
+    the fewest candidates. None when there is none (or the node budget runs out)."""
+    g = np.array(grid, dtype=np.int64)
+    budget = [max_nodes]
+
+    def rec():
+        empties = np.argwhere(g == 0)
+        if not len(empties):
+            return True
+        best, best_c = None, None
+        for r, c in empties:
+            cand = sudoku_candidates(g, r, c)
+            if best is None or len(cand) < len(best_c):
+                best, best_c = (r, c), cand
+                if len(cand) <= 1:
+                    break
+        for v in best_c:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            g[best] = v
+            if rec():
+                return True
+        g[best] = 0
+        return False
+
+    return g if rec() else None
+
+
+# --- Countdown --------------------------------------------------------------------------------
+
+
+def solve_countdown(numbers: Sequence[int], target: int, operators: str = "+-*/") -> str | None:
+    """An expression using every number once whose exact value is ``target`` (None if none exists).
+
+    Exhaustive: repeatedly combine two of the remaining (value, text) pairs with every operator in
+    both orders, in exact fractions; sub-expressions are parenthesised, so the text evaluates the
+    same under Python's and our parser's precedence.
+    """
+    from fractions import Fraction
+
+    seen = set()
+
+    def rec(items):
+        if len(items) == 1:
+            return items[0][1] if items[0][0] == target else None
+        key = tuple(sorted(v for v, _ in items))
+        if key in seen:
+            return None
+        seen.add(key)
+        for i in range(len(items)):
+            for j in range(len(items)):
+                if i == j:
+                    continue
+                (a, ta), (b, tb) = items[i], items[j]
+                rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+                outs = []
+                if "+" in operators and i < j:
+                    outs.append((a + b, f"{ta} + {tb}"))
+                if "*" in operators and i < j:
+                    outs.append((a * b, f"{ta} * {tb}"))
+                if "-" in operators:
+                    outs.append((a - b, f"{ta} - {tb}"))
+                if "/" in operators and b != 0:
+                    outs.append((a / b, f"{ta} / {tb}"))
+                for v, text in outs:
+                    wrapped = text if not rest else f"({text})"
+                    found = rec(rest + [(v, wrapped)])
+                    if found is not None:
+                        return found
+        return None
+
+    return rec([(Fraction(int(n)), str(int(n))) for n in numbers])

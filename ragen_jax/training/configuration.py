@@ -81,28 +81,41 @@ def _build(section: str, cls, values: dict):
         raise ConfigError(msg) from None
 
 
-def split_env_kwargs(name: str, values: dict) -> tuple[dict, dict]:
-    """Route the flat ``config.env`` keys to the env constructor or to ``default_params``."""
+# Settings of the ``HostEnv`` wrapper a Python text environment runs in (not of the env itself).
+HOST_ENV_KEYS = ("max_obs_tokens",)
+
+
+def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
+    """Route the flat ``config.env`` keys to the env constructor or to ``default_params``.
+
+    ``name`` may be one of the original's tag names (``SimpleSudoku``): its settings apply under
+    the configured ones. -> ``(environment name, constructor kwargs, params kwargs)``; for a Python
+    text environment the params are the ``HostEnv`` wrapper's settings.
+    """
     import environments
 
-    if name not in environments.REGISTRY:
-        _fail(f"env.name={name!r} is not a registered environment; allowed: {', '.join(sorted(environments.REGISTRY))}")
-    module, cls_name = environments.REGISTRY[name].split(":")
-    import importlib
-
-    cls = getattr(importlib.import_module(module), cls_name)
+    try:
+        base, settings = environments.resolve(name)
+    except ValueError:
+        _fail(f"env.name={name!r} is not a registered environment; allowed: "
+              f"{', '.join(sorted(environments.REGISTRY))}; Python text environments: "
+              f"{', '.join(sorted(environments.HOST_REGISTRY))}; the original's tags: {', '.join(sorted(environments.TAGS))}")
+    cls = environments.env_class(base)
     ctor = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    params = set(inspect.signature(cls.default_params).parameters) - {"self"}
+    if environments.is_host(base):
+        params = set(HOST_ENV_KEYS)
+    else:
+        params = set(inspect.signature(cls.default_params).parameters) - {"self"}
     ctor_kw, param_kw = {}, {}
-    for k, v in values.items():
+    for k, v in {**settings, **values}.items():
         if k in ctor:
             ctor_kw[k] = tuple(v) if isinstance(v, list) else v
         elif k in params:
             param_kw[k] = v
         else:
-            _fail(f"env.{k} is not a parameter of {name}; allowed: constructor {sorted(ctor)}, "
+            _fail(f"env.{k} is not a parameter of {base}; allowed: constructor {sorted(ctor)}, "
                   f"params {sorted(params)}")
-    return ctor_kw, param_kw
+    return base, ctor_kw, param_kw
 
 
 def resolve(config: ConfigDict) -> RunSpec:
@@ -155,7 +168,7 @@ def resolve(config: ConfigDict) -> RunSpec:
 
     # Environment.
     env_values = {k: v for k, v in config.env.to_dict().items() if k != "name"}
-    env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
+    env_name, env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
 
     # Parts (their from_dict validates unknown keys and registry names).
     rollout = _build("rollout", RolloutConfig, config.rollout.to_dict())
@@ -167,8 +180,8 @@ def resolve(config: ConfigDict) -> RunSpec:
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
-    _check_across_sections(config.env.name, rollout, starpo, warmup)
-    return RunSpec(config=config, env_name=config.env.name, env_kwargs=env_kwargs,
+    _check_across_sections(env_name, rollout, starpo, warmup)
+    return RunSpec(config=config, env_name=env_name, env_kwargs=env_kwargs,
                    env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
                    collapse=collapse, preset=preset)
 
@@ -186,8 +199,10 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
     except ValueError as e:
         _fail(f"{e} (rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} "
               f"= {rollout.batch_size} trajectories)")
-    if (warmup.steps or warmup.single_turn_steps) and env_name not in ("sokoban", "frozen_lake"):
+    from ragen_jax.training.experts import EXPERTS
+
+    if (warmup.steps or warmup.single_turn_steps) and env_name not in EXPERTS:
         key = "warmup.steps" if warmup.steps else "warmup.single_turn_steps"
         _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={env_name!r} has no expert "
-              "solver; behaviour cloning supports sokoban and frozen_lake (set warmup.steps=0 and "
+              f"solver; behaviour cloning supports {', '.join(sorted(EXPERTS))} (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")

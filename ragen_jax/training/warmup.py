@@ -6,8 +6,9 @@ conversations fixes that. The conversations are produced by the rollout itself w
 replies (``ForcedReplies``), so their tokens, chat framing, observations, reward messages and loss
 mask are exactly what RL rollouts produce — one piece of code builds both.
 
-Expert. At every turn a closed-loop expert re-plans from the current state with the env's solver
-(``environments.solvers``: BFS for Sokoban, shortest path avoiding holes for FrozenLake) and takes
+Expert. At every turn a closed-loop expert (``ragen_jax.training.experts``) re-plans from the current
+state with the env's solver (``environments.solvers``: BFS for Sokoban, shortest path avoiding holes
+for FrozenLake, search for the cube, Sudoku and Countdown, expectimax for 2048) and takes
 the first ``max_actions_per_turn`` actions. States are simulated on the host with the rollout's own
 step keys (``fold_in(env_key, actions_taken + 1)``), so even slippery FrozenLake's outcomes match
 what the scripted rollout then produces. Each reply is short, state-specific reasoning plus the
@@ -36,74 +37,19 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
+from ragen_jax.training import experts
 
 # --------------------------------------------------------------------------------------------
-# Expert reasoning text (host)
+# Expert replies (the experts themselves: ragen_jax.training.experts)
 # --------------------------------------------------------------------------------------------
 
 
-def _cell(rc) -> str:
-    return f"({int(rc[0])}, {int(rc[1])})"
-
-
-def frozen_lake_reasoning(pos, goal, holes: np.ndarray, actions: list[int], names) -> str:
-    """One sentence about the current state: where the player and goal are, which hole is avoided."""
-    pos, goal = np.asarray(pos), np.asarray(goal)
-    moves = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]])  # FrozenLake: Left, Down, Right, Up
-    text = f"The player is at {_cell(pos)} and the goal at {_cell(goal)}"
-    if not actions:
-        return text + "."
-    first = names[actions[0]]
-    # A neighbouring hole the chosen move steers clear of makes the reasoning state-specific.
-    size = holes.shape[0]
-    near = [pos + d for d in moves if 0 <= (pos + d)[0] < size and 0 <= (pos + d)[1] < size and holes[tuple(pos + d)]]
-    if near:
-        return text + f"; moving {first} avoids the hole at {_cell(near[0])}."
-    return text + f"; moving {first} gets closer."
-
-
-def sokoban_reasoning(player, boxes, targets, actions: list[int], names) -> str:
-    text = f"The player is at {_cell(player)}"
-    if len(boxes):
-        text += f", the box at {_cell(boxes[0])}"
-    if len(targets):
-        text += f" and the target at {_cell(targets[0])}"
-    if actions:
-        text += f"; I move {names[actions[0]]}."
-    else:
-        text += "."
-    return text
-
-
-def reply_text(reasoning: str, actions: list[int], names, enable_think: bool) -> str:
+def reply_text(reasoning: str, answers: list[str], enable_think: bool) -> str:
     """The assistant reply after the forced prefix: ``reasoning</think><answer>A || B</answer>``."""
-    answer = " || ".join(names[a] for a in actions)
+    answer = " || ".join(answers)
     if enable_think:
         return f"{reasoning}</think><answer>{answer}</answer>"
     return f"{answer}</answer>"
-
-
-# --------------------------------------------------------------------------------------------
-# Closed-loop expert on host states
-# --------------------------------------------------------------------------------------------
-
-
-def _expert_plan(env_name: str, state) -> tuple[list[int], str]:
-    """(optimal action sequence from ``state``, a reasoning sentence about it)."""
-    from environments import solvers
-
-    s = jax.tree.map(np.asarray, state)
-    if env_name == "frozen_lake":
-        plan = solvers.frozen_lake_shortest_path(s.holes, tuple(s.pos), tuple(s.goal)) or []
-        return plan, lambda acts, names: frozen_lake_reasoning(s.pos, s.goal, s.holes, acts, names)
-    if env_name == "sokoban":
-        from environments import sokoban as sk
-
-        plan = solvers.solve_sokoban(s.room_fixed, s.grid) or []
-        boxes = np.argwhere((s.grid == sk.BOX) | (s.grid == sk.BOX_ON_TARGET))
-        targets = np.argwhere(s.room_fixed == sk.TARGET)
-        return plan, lambda acts, names: sokoban_reasoning(s.player, boxes, targets, acts, names)
-    raise ValueError(f"behaviour cloning has no expert for env {env_name!r}; supported: frozen_lake, sokoban")
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,8 +74,6 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
       its first ``;``) — what ``make_reading_check`` checks.
     """
     env, ep, c = rollout.env, rollout.env_params, rollout.config
-    names = tuple(env.action_names)
-    env_name = getattr(env, "name", "").lower()
     B, T, N = env_keys.shape[0], c.max_turns, c.max_new_tokens
     reset, step = _compiled_env(env)
     states = jax.tree.map(np.asarray, reset(env_keys, ep)[1])
@@ -144,21 +88,21 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
         for t in range(T):
             if done or n_actions >= c.max_actions_per_traj:
                 break
-            plan, reason = _expert_plan(env_name, state)
-            acts = list(plan[: c.max_actions_per_turn])
-            if not acts or (action_noise and rng.random() < action_noise):
-                acts = [int(rng.integers(len(names)))]
-            reasoning = reason(acts, names)
-            ids = codec_lib.encode(rollout.tokenizer, reply_text(reasoning, acts, names, c.enable_think))
+            expert = experts.plan(env, state, ep)
+            answers = list(expert.answers[: c.max_actions_per_turn])
+            if not answers or (action_noise and rng.random() < action_noise):
+                answers = [experts.random_answer(env, state, rng)]
+            reasoning = expert.reasoning(answers)
+            ids = codec_lib.encode(rollout.tokenizer, reply_text(reasoning, answers, c.enable_think))
             if len(ids) > N:
                 raise ValueError(f"an expert reply needs {len(ids)} tokens but rollout.max_new_tokens={N}; "
                                  "raise rollout.max_new_tokens")
             tokens[b, t, : len(ids)] = ids
             lengths[b, t] = len(ids)
             described[b, t] = _described_tokens(rollout.tokenizer, reasoning, ids) if c.enable_think else 0
-            for a in acts[: c.max_actions_per_traj - n_actions]:
+            for answer in answers[: c.max_actions_per_traj - n_actions]:
                 skey = jax.random.fold_in(key, n_actions + 1)
-                _, state, _, term, trunc, info = step(skey, state, a, ep)
+                _, state, _, term, trunc, info = step(skey, state, experts.answer_action(env, answer), ep)
                 n_actions += 1
                 if bool(term) or bool(trunc):
                     done = True

@@ -15,7 +15,8 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout
 from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
 from ragen_jax.training import warmup as warmup_lib
-from ragen_jax.training.warmup import bc_loss, expert_replies, frozen_lake_reasoning, reply_text
+from ragen_jax.training.experts import frozen_lake_reasoning
+from ragen_jax.training.warmup import bc_loss, expert_replies, reply_text
 from ragen_jax.models import Decoder
 from ml_collections import ConfigDict
 
@@ -80,10 +81,9 @@ def test_expert_conversations_through_the_rollout(setup):
 def test_reasoning_mentions_the_avoided_hole():
     holes = np.zeros((4, 4), bool)
     holes[1, 2] = True
-    text = frozen_lake_reasoning((1, 3), (2, 0), holes, [1, 2], ("Left", "Down", "Right", "Up"))
+    text = frozen_lake_reasoning((1, 3), (2, 0), holes, "Down")
     assert text == "The player is at (1, 3) and the goal at (2, 0); moving Down avoids the hole at (1, 2)."
-    assert reply_text(text, [1, 0], ("Left", "Down", "Right", "Up"), True) == \
-        text + "</think><answer>Down || Left</answer>"
+    assert reply_text(text, ["Down", "Left"], True) == text + "</think><answer>Down || Left</answer>"
 
 
 def test_bc_loss_matches_numpy(setup):
