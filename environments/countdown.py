@@ -12,7 +12,8 @@ is left; the first of ``candidates`` draws whose value lies in ``1..max_target``
 Answers. The answer is an expression over the numbers, checked on device by a fixed-size parser
 (``parse_action``): integer literals, ``+ - * /``, unary ``+``/``-``, parentheses and spaces, at most
 ``max_action_bytes`` (64) bytes; evaluated in exact rational arithmetic (Python's precedence: unary
-minus binds tighter than ``*``). It costs a scan over at most 64 tokens per answer, once per turn.
+minus binds tighter than ``*``; leading zeros are rejected as Python does; values stay exact while
+they fit int32, which any expression over the puzzle's numbers does). It costs a scan over at most 64 tokens per answer, once per turn.
 Scoring, as the original: each number used exactly once and the value equal to the target:
 ``score`` (1); a well-formed expression over exactly the numbers with another value (or a division
 by zero): ``format_score`` (0.1); anything else 0. One answer ends the episode.
@@ -76,6 +77,10 @@ def tokenize(text: chex.Array, n: chex.Array):
     scan = tm.Scanner(text, n)
     digit = valid & (text >= ord("0")) & (text <= ord("9"))
     prev_digit = jnp.concatenate([jnp.zeros((1,), bool), digit[:-1]])
+    # Python rejects leading zeros ("07"; "00" is fine) and no puzzle number has 10 digits.
+    starts = digit & ~prev_digit
+    bad_literal = starts & (((text == ord("0")) & (scan.digit_run > 1) & (scan.number != 0))
+                            | (scan.digit_run > tm.MAX_DIGITS))
     kind = jnp.select(
         [digit & ~prev_digit, text == ord("+"), text == ord("-"), text == ord("*"), text == ord("/"),
          text == ord("("), text == ord(")"), digit | tm.is_space(text)],
@@ -85,7 +90,7 @@ def tokenize(text: chex.Array, n: chex.Array):
     slot = jnp.where(keep, jnp.cumsum(keep) - 1, width)
     kinds = jnp.full((width,), PAD, jnp.int32).at[slot].set(kind, mode="drop")
     values = jnp.zeros((width,), jnp.int32).at[slot].set(scan.number, mode="drop")
-    return kinds, values, jnp.sum(keep).astype(jnp.int32), jnp.any(kind == BAD) | (n > width)
+    return kinds, values, jnp.sum(keep).astype(jnp.int32), jnp.any(kind == BAD) | jnp.any(bad_literal) | (n > width)
 
 
 def evaluate(kinds, values, count):

@@ -274,32 +274,31 @@ def _cube_solved(s) -> bool:
 
 
 def solve_cube(stickers, moves: str = "physical", max_forward: int = 4) -> list[int] | None:
-    """A shortest move sequence (up to ``4 + max_forward`` moves) to a cube with one colour per face.
+    """A move sequence to a cube with one colour per face: the shortest one when that is at most
+    ``max_forward`` moves, else the shortest through the standard orientation (up to
+    ``max_forward + 4`` moves); None beyond that range.
 
-    Forward breadth-first search from ``stickers`` (stopping at any solved orientation) meets a
-    table of the states within 4 moves of the standard solved cube. None beyond that range.
+    Forward breadth-first search from ``stickers`` (any solved orientation ends it) meets a table of
+    the states within 4 moves of the standard solved cube.
     """
     perms, _, _ = _cube_tables(moves)
     back = _cube_backward(moves)
     start = tuple(int(v) for v in np.asarray(stickers).reshape(-1))
-    if _cube_solved(start):
-        return []
     parent = {start: None}
     frontier = [start]
-    best = back.get(start)
+    best = None
     for depth in range(max_forward + 1):
-        found = None
+        if best is not None and depth >= len(best):
+            break  # nothing found deeper can be shorter
         for s in frontier:
-            if s in back:
-                path = _backtrack(parent, s) + back[s]
-                found = path if found is None or len(path) < len(found) else found
             if _cube_solved(s):
-                path = _backtrack(parent, s)
-                found = path if found is None or len(path) < len(found) else found
-        if found is not None:
-            return found
-        if depth == max_forward:
-            break
+                found = _backtrack(parent, s)
+            elif s in back:
+                found = _backtrack(parent, s) + back[s]
+            else:
+                continue
+            if best is None or len(found) < len(best):
+                best = found
         nxt = []
         for s in frontier:
             for a, p in enumerate(perms):
