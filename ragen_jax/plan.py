@@ -113,8 +113,9 @@ def plan(spec, placement=None) -> dict[str, float]:
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     gd = graphdefs["g"]
 
-    env, env_params = build_env(spec)
-    rollout = Rollout(gd.policy, env, env_params, load_tiny_tokenizer(), spec.rollout, placement=placement)
+    tokenizer = load_tiny_tokenizer()
+    env, env_params = build_env(spec, tokenizer)
+    rollout = Rollout(gd.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=placement.replicated)
     rollout_exe = rollout._run_from_key.lower(state.params, key, None).compile()
     traj = jax.eval_shape(rollout._rollout_from_key, state.params, key, None)

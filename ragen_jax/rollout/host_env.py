@@ -87,7 +87,7 @@ class HostEnv:
         self.batch_size = batch_size
         self.max_obs_tokens = max_obs_tokens
         self.instruction = instruction
-        self.envs = [make_env() for _ in range(batch_size)]
+        self.envs = [make_env() for _ in range(batch_size)]  # more are made for larger batches (evaluation)
         self.piece_table = "tokens"  # observations arrive as token ids: the codec's identity table
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -121,6 +121,8 @@ class HostEnv:
 
     def _host_reset(self, seeds):
         seeds = np.asarray(seeds)
+        while len(self.envs) < len(seeds):
+            self.envs.append(self.make_env())
         toks = np.zeros((len(seeds), self.max_obs_tokens), np.int32)
         n = np.zeros((len(seeds),), np.int32)
         self._steps = np.zeros((len(seeds),), np.int64)

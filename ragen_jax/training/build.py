@@ -74,10 +74,27 @@ def build_model(spec: RunSpec, placement=None):
     return tokenizer, cfg, model
 
 
-def build_env(spec: RunSpec):
-    """-> ``(env, env_params)``; env kwargs / params were routed and validated by ``resolve``."""
+def build_env(spec: RunSpec, tokenizer=None):
+    """-> ``(env, env_params)``; env kwargs / params were routed and validated by ``resolve``.
+
+    A Python text environment (``environments.HOST_REGISTRY``) comes wrapped in a ``HostEnv``,
+    which needs the tokenizer (observations are tokenised on the host).
+    """
     import environments
 
+    if environments.is_host(spec.env_name):
+        from ragen_jax.rollout.host_env import HostEnv
+
+        if tokenizer is None:
+            raise ValueError(f"{spec.env_name} is a Python text environment: build_env needs the tokenizer")
+        cls = environments.env_class(spec.env_name)
+        kwargs = dict(spec.env_kwargs)
+        cls(**kwargs)  # fail now, naming the missing file or setting, rather than inside the first rollout
+        env = HostEnv(lambda: cls(**kwargs), tokenizer, action_names=cls.action_names,
+                      batch_size=spec.rollout.batch_size, instruction=cls.instruction,
+                      max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)))
+        env.name = spec.env_name
+        return env, env.default_params()
     env = environments.make(spec.env_name, **spec.env_kwargs)
     params = env.default_params(**spec.env_param_kwargs)
     return env, params

@@ -141,7 +141,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     cfg = spec.config
     placement = placement or make_placement(spec)
     tokenizer, model_cfg, model = build_model(spec, placement)
-    env, env_params = build_env(spec)
+    env, env_params = build_env(spec, tokenizer)
     _check_env_fits_processes(env, placement)
     mode = spec.starpo.critic_mode
     critic = None

@@ -31,7 +31,8 @@ def small(name, workdir, **over):
     c.trainer.update(dict(total_steps=2, eval_every=2, save_every=2, transcript_every=1, progress_bar=False))
     for k, v in over.items():
         section, key = k.split(".")
-        c[section][key] = v
+        with c.unlocked():
+            c[section][key] = v
     return resolve(c)
 
 
@@ -49,3 +50,22 @@ def test_starpo_runs_on_every_device_env(name, tmp_path):
     # 32 placements: neither fits in 2 turns; their experts are checked in tests/environments).
     if name in ("rubikscube", "countdown"):
         assert logged["warmup/expert_success"][-1][1] > 0.5, logged["warmup/expert_success"]
+
+
+@pytest.mark.parametrize("name, over", [
+    ("metamathqa", {}),
+    ("search_qa", {}),
+    ("search_qa", {"env.name": "SearchQAMock"}),
+    ("textworld", {"env.num_games": 2}),
+])
+def test_starpo_runs_on_python_text_envs(name, over, tmp_path):
+    """Host envs in the jitted loop (io_callback): two StarPO steps, no warm-up (no expert)."""
+    from ragen_jax.training.trainer import train
+
+    over = {"warmup.single_turn_steps": 0, "warmup.steps": 0, **over}
+    if name == "textworld":
+        over["env.games_dir"] = str(tmp_path / "games")
+    train(small(name, tmp_path, **over))
+    logged = read_scalars(tmp_path / "tensorboard")
+    assert all(math.isfinite(x) for k, s in logged.items() if k.startswith("actor/") and "loss" in k for _, x in s)
+    assert len(logged["train/valid_action_rate"]) == 2
