@@ -125,3 +125,65 @@ def test_non_finite_host_reward_is_an_error_naming_env_and_step():
     with pytest.raises(Exception, match=r"HostEnv BrokenReward returned a non-finite reward nan at step 2 of row 0"):
         jax.block_until_ready(ro(weights, jax.random.key(0), ForcedReplies(tokens=jnp.asarray(toks),
                                                                            lengths=jnp.asarray(lens))))
+
+
+class Echo:
+    """Free-text actions: the observation repeats the last answer; 'stop' ends with reward 1."""
+
+    def reset(self, seed):
+        self.n = 0
+        return f"Start {seed % 7}."
+
+    def step(self, action):
+        self.n += 1
+        return f"You said: {action}", float(action == "stop"), action == "stop", {}
+
+
+class Raises(Echo):
+    def step(self, action):
+        raise KeyError("no such room")
+
+
+class NotText(Echo):
+    def step(self, action):
+        return 42, 0.0, False, {}
+
+
+def _forced(tok, cfg, reply):
+    from ragen_jax.rollout.agent import ForcedReplies
+
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    toks = np.zeros((cfg.batch_size, cfg.max_turns, cfg.max_new_tokens), np.int32)
+    toks[:, :, : len(ids)] = ids
+    lens = np.full((cfg.batch_size, cfg.max_turns), len(ids), np.int32)
+    return ForcedReplies(tokens=jnp.asarray(toks), lengths=jnp.asarray(lens))
+
+
+def _text_rollout(env_cls, **kw):
+    tok = make_tokenizer("qwen")
+    cfg = RolloutConfig(max_new_tokens=40, max_seq_len=1024, num_groups=1, group_size=2, max_turns=2,
+                        max_actions_per_turn=2, max_actions_per_traj=4, **kw)
+    env = HostEnv(env_cls, tok, action_names=None, batch_size=cfg.batch_size, max_obs_tokens=64,
+                  instruction="Say something.\n")
+    graphdef, weights = tiny_model(tok)
+    return tok, cfg, env, make_rollout(graphdef, env, env.default_params(), tok, cfg), weights
+
+
+def test_free_text_actions_reach_the_host_env_as_written():
+    tok, cfg, env, ro, weights = _text_rollout(Echo)
+    traj = ro(weights, jax.random.key(0), _forced(tok, cfg, "ok</think><answer> search[who wrote Emma?] || stop </answer>"))
+    text = decode(tok, np.asarray(traj.tokens[0])[np.asarray(traj.valid_mask[0])])
+    assert "You said: search[who wrote Emma?]" not in text  # the episode ended on "stop" in the same turn
+    assert np.asarray(traj.success).all() and np.allclose(np.asarray(traj.episode_return), 1.0)
+    assert [e.n for e in env.envs[:2]] == [2, 2]  # both parts were stepped, in order
+    assert "Your available actions" not in ro.system_text  # free text: no action list
+
+
+def test_host_env_exceptions_and_non_text_name_the_env_row_and_step():
+    import pytest
+
+    for cls, pattern in ((Raises, r"HostEnv Raises raised KeyError at step 1 of row 0: 'no such room'"),
+                         (NotText, r"HostEnv NotText.step\(\) at step 1 of row 0 returned int as the observation")):
+        tok, cfg, env, ro, weights = _text_rollout(cls)
+        with pytest.raises(Exception, match=pattern):
+            jax.block_until_ready(ro(weights, jax.random.key(0), _forced(tok, cfg, "x</think><answer>hi</answer>")))
