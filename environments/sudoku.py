@@ -87,20 +87,38 @@ def pattern_grid(n: int) -> np.ndarray:
     return ((k * (r % k) + r // k + c) % n + 1).astype(np.int32)
 
 
-def random_solution(key, n: int) -> chex.Array:
-    """A valid solved grid: the pattern grid under random Sudoku symmetries. int32 [n, n]."""
+def _ranks(words: chex.Array) -> chex.Array:
+    """The rank of each of ``words`` (uint32 [m]) among them, ties broken by position: a uniformly
+    random permutation of ``0..m-1`` for i.i.d. words (m² compares, no sort: cheap for m <= 256)."""
+    i = jnp.arange(words.shape[0])
+    below = (words[None, :] < words[:, None]) | ((words[None, :] == words[:, None]) & (i[None, :] < i[:, None]))
+    return jnp.sum(below, axis=1).astype(jnp.int32)
+
+
+def words_needed(n: int) -> int:
     k = int(round(n ** 0.5))
-    keys = jax.random.split(key, 6)
+    return n + 2 * (k + k * k) + 1 + n * n
 
-    def line_order(kb, kl):
-        bands = jax.random.permutation(kb, k)
-        inner = jax.vmap(lambda kk: jax.random.permutation(kk, k))(jax.random.split(kl, k))
-        return (bands[:, None] * k + inner[bands]).reshape(-1)
 
-    digits = jnp.concatenate([jnp.zeros((1,), jnp.int32), 1 + jax.random.permutation(keys[0], n)])
-    grid = jnp.asarray(pattern_grid(n))
-    grid = grid[line_order(keys[1], keys[2])][:, line_order(keys[3], keys[4])]
-    grid = jnp.where(jax.random.bernoulli(keys[5]), grid.T, grid)
+def random_solution(words: chex.Array, n: int) -> chex.Array:
+    """A valid solved grid: the pattern grid under random Sudoku symmetries. int32 [n, n].
+
+    words: uint32 [words_needed(n) - n*n] random words (digit relabelling, band/row and
+    stack/column orders, transpose).
+    """
+    k = int(round(n ** 0.5))
+    digits = jnp.concatenate([jnp.zeros((1,), jnp.int32), 1 + _ranks(words[:n])])
+    at = n
+
+    def line_order(at):
+        bands = _ranks(words[at:at + k])
+        inner = jax.vmap(_ranks)(words[at + k:at + k + k * k].reshape(k, k))
+        return (bands[:, None] * k + inner[bands]).reshape(-1), at + k + k * k
+
+    rows, at = line_order(at)
+    cols, at = line_order(at)
+    grid = jnp.asarray(pattern_grid(n))[rows][:, cols]
+    grid = jnp.where((words[at] & 1) == 1, grid.T, grid)
     return digits[grid].astype(jnp.int32)
 
 
@@ -170,10 +188,30 @@ class Sudoku(Environment):
                             max_steps_in_episode=jnp.int32(max_steps_in_episode))
 
     def reset_env(self, key, params: SudokuParams):
-        k_grid, k_cells = jax.random.split(key)
-        solution = random_solution(k_grid, self.n)
-        blank = jax.random.permutation(k_cells, self.n * self.n)[: self.num_blanks]
-        initial = solution.reshape(-1).at[blank].set(0).reshape(self.n, self.n)
+        return self._reset_from(jax.random.bits(key, (words_needed(self.n),), jnp.uint32), params)
+
+    def step(self, key, state: SudokuState, action, params: SudokuParams | None = None):
+        """``step_env`` + auto-reset, the new puzzle from one threefry call."""
+        params = self.default_params() if params is None else params
+        obs, next_state, reward, terminated, truncated, info = self.step_env(key, state, action, params)
+        _, fresh = self.reset_env(key, params)
+        done = terminated | truncated
+        next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), fresh, next_state)
+        return self.observation(next_state), next_state, reward, terminated, truncated, info
+
+    def _reset_from(self, words, params: SudokuParams):
+        cells = self.n * self.n
+        solution = random_solution(words[:-cells], self.n)
+        # A uniformly random subset of num_blanks cells by selection sampling (Knuth's algorithm S:
+        # cell t is taken with probability still-needed / cells-left), unrolled: ~4 ops a cell.
+        u = (words[-cells:] >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+        taken, picks = jnp.int32(0), []
+        for t in range(cells):
+            pick = u[t] * (cells - t) < (self.num_blanks - taken)
+            picks.append(pick)
+            taken = taken + pick.astype(jnp.int32)
+        blank = jnp.stack(picks).reshape(self.n, self.n)
+        initial = jnp.where(blank, 0, solution)
         z = jnp.int32(0)
         state = SudokuState(time=z, grid=initial, initial=initial, solution=solution, feedback=jnp.int32(NONE),
                             row=z, col=z, num=z, clash=jnp.zeros((3,), bool), max_steps=params.max_steps_in_episode)
@@ -234,7 +272,9 @@ class Sudoku(Environment):
         legal = in_range & ~given & ~clash
         correct = legal & (v == state.solution[r, c])
         new_grid = jnp.where(legal, grid.at[r, c].set(v), grid)
-        solved = legal & jnp.all(new_grid > 0) & ~jnp.any(conflicts(new_grid, k))
+        # A legal placement keeps the grid free of repeats (the givens have none), so a full grid
+        # after one is solved.
+        solved = legal & jnp.all(new_grid > 0)
         feedback = jnp.where(~in_range, kind, jnp.where(given, GIVEN, jnp.where(~legal, CONFLICT,
                              jnp.where(correct, CORRECT, LEGAL))))
         reward = jnp.where(legal, jnp.where(correct, 1.0, 0.5) * params.correct_placement_score
@@ -362,7 +402,7 @@ class Sudoku(Environment):
             *on(fb == LEGAL, self._const("⚠ Placed ")),
             *on((fb == CORRECT) | (fb == LEGAL), num_sec, self._const(" at "), coord_sec),
             *on(fb == LEGAL, self._const(" - Valid but not optimal")),
-            *on(((fb == CORRECT) | (fb == LEGAL)) & jnp.all(state.grid > 0) & ~jnp.any(conflicts(state.grid, k)),
+            *on(((fb == CORRECT) | (fb == LEGAL)) & jnp.all(state.grid > 0),
                 self._const("\n🎉 Congratulations! Puzzle solved!")),
         ]
         return render.cat_sections(*secs)

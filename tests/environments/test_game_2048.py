@@ -108,14 +108,14 @@ def test_hand_worked_render():
         "Valid Actions: None.\nGoal: Merge same numbers to reach 2048.\nCurrent Score: 36\nWhat is your next move?")
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_expert_outplays_random_moves(seed):
-    """The expectimax expert scores several times what random valid moves score over 150 moves."""
+def test_expert_outplays_random_moves():
+    """Whole games (capped at 600 moves): the expectimax expert scores at least twice what random
+    valid moves score (measured: ~4,000 and a 256 tile vs ~1,300)."""
     def play(policy, game):
         rng = np.random.default_rng(game)
         _, state = ENV.reset(jax.random.key(game), PARAMS)
         step = jax.jit(ENV.step_env)
-        for t in range(150):
+        for t in range(600):
             board = np.asarray(state.board)
             a = policy(board, rng)
             if a is None:
@@ -125,7 +125,7 @@ def test_expert_outplays_random_moves(seed):
                 break
         return int(state.score)
 
-    expert = [play(lambda b, r: solvers.best_2048_move(b), g) for g in range(4)]
+    expert = [play(lambda b, r: solvers.best_2048_move(b), g) for g in range(2)]
     randomly = [play(lambda b, r: (lambda v: int(r.choice(v)) if v else None)(
-        [a for a in range(4) if not np.array_equal(solvers.slide_2048(b, a)[0], b)]), g) for g in range(4)]
-    assert np.mean(expert) > 1.5 * np.mean(randomly), (expert, randomly)
+        [a for a in range(4) if not np.array_equal(solvers.slide_2048(b, a)[0], b)]), g) for g in range(2)]
+    assert np.mean(expert) > 2 * np.mean(randomly), (expert, randomly)
