@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["environments", "environments.*", "ragen_jax", "ragen_jax.*"]),
-    package_data={"ragen_jax": ["assets/**/*"]},
+    package_data={"ragen_jax": ["assets/**/*"], "environments": ["data/*.jsonl"]},
     include_package_data=True,
     install_requires=[
         # jax 0.10.x is the newest line that installs on Python 3.11.
@@ -34,12 +34,14 @@ setup(
     extras_require={
         # torch is only the reference implementation in parity tests; pinned to the CPU wheel.
         "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
-                 "gymnax>=1.0.1"],
+                 "gymnax>=1.0.1", "datasets>=3", "bm25s>=0.2", "textworld>=1.6"],
+        # The Python text environments: dataset files (math QA, Search QA), BM25 retrieval, TextWorld.
+        "envs": ["datasets>=3", "bm25s>=0.2", "textworld>=1.6"],
         # Our environments as gymnax environments (environments.gymnax_adapter).
         "gymnax": ["gymnax>=1.0.1"],
         # TensorBoard itself, to view the event files every run writes (tensorboardX writes them).
         "viewer": ["tensorboard>=2.16"],
         # Peers measured in the same invocation by benchmarks/.
-        "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six"],
+        "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six", "pgx"],
     },
 )
