@@ -15,6 +15,16 @@ not (the LLM agent loop masks finished episodes itself). ``obs`` is the symbol g
 
 Actions are 0-based indices into ``env.action_names`` (RAGEN's ids are these plus one).
 
+Optional members the rollout uses when present:
+  * ``parse_action(text uint8 [W], n int32 []) -> (action pytree, valid bool [])`` with
+    ``max_action_bytes = W``: free-text answers (Sudoku's placements, Countdown's equations)
+    read on device by the env itself; ``action_names`` is then empty and an action is whatever
+    ``parse_action`` returns (``step_env`` takes the same pytree);
+  * ``random_action(key)``: a random action of that pytree shape (used to measure observation
+    lengths; the default draws an index below ``num_actions``);
+  * ``instruction``: the task paragraph of the system prompt; ``list_actions``: whether the system
+    prompt lists ``action_names`` (default: not for ``"text"`` observations).
+
 Text. The language model reads the state as text. Two renders exist and must agree exactly:
   * ``render_text(state, fmt)`` — host, NumPy, the original's strings (the reference);
   * ``render_pieces(state, params, fmt)`` — device: ``(pieces int32 [max_pieces], n int32)``, the
