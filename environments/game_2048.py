@@ -49,7 +49,7 @@ class Game2048Params(EnvParams):
     use_log_reward: chex.Array     # bool [] 0.1 * log2(merge + 1) instead of the merge sum
 
 
-def _merge_line_host(line) -> tuple[list[int], int]:
+def merge_line(line) -> tuple[list[int], int]:
     """Slide one line of exponents towards index 0 and merge equal neighbours once (host)."""
     tiles = [int(v) for v in line if v]
     out, gained, i = [], 0, 0
@@ -75,7 +75,7 @@ def _line_table() -> tuple[np.ndarray, np.ndarray]:
     slid = np.zeros_like(lines)
     gain = np.zeros(len(lines), np.int64)
     for i, line in enumerate(lines):
-        slid[i], gain[i] = _merge_line_host(line)
+        slid[i], gain[i] = merge_line(line)
     # A tile past 2**17 cannot arise on a 4x4 board; clip keeps the table closed anyway.
     return np.minimum(slid, MAX_EXPONENT).astype(np.int32), gain.astype(np.int32)
 
@@ -211,14 +211,15 @@ class Game2048(Environment):
         gained = jnp.where(moved, gains[a], 0)
         board = jnp.where(moved, _spawn(u[0], u[1], boards[a], params.two_prob), state.board)
         next_state = Game2048State(time=state.time + 1, board=board, score=state.score + gained)
-        stuck = ~jnp.any(self.valid_moves(next_state))
-        terminated = moved & stuck
+        mask = self.valid_moves(next_state)
+        terminated = moved & ~jnp.any(mask)
         log_reward = jnp.where(gained > 0, 0.1 * jnp.log2(gained.astype(jnp.float32) + 1.0), 0.0)
         reward = jnp.where(moved, jnp.where(params.use_log_reward, log_reward, gained.astype(jnp.float32)),
                            params.invalid_act_score).astype(jnp.float32)
         truncated = (next_state.time >= params.max_steps_in_episode) & ~terminated
         info = {"action_is_valid": moved, "action_is_effective": moved,
-                "success": terminated & (jnp.max(board) >= 11)}  # 2**11 = 2048
+                "success": terminated & (jnp.max(board) >= 11),  # 2**11 = 2048
+                "action_mask": mask}  # the moves that change the next board (the original's info key)
         return self.observation(next_state), next_state, reward, terminated, truncated, info
 
     def observation(self, state: Game2048State, params=None) -> chex.Array:

@@ -188,21 +188,14 @@ def _backtrack(parent: dict, node) -> list[int]:
 def slide_2048(board: np.ndarray, action: int) -> tuple[np.ndarray, int]:
     """One move on a board of tile exponents (0 empty): ``(new board, merged value)``, no spawn.
     0 Up, 1 Right, 2 Down, 3 Left; lines merge in the direction of travel, each tile once."""
+    from environments.game_2048 import merge_line
+
     b = np.array(board, dtype=np.int64)
     lines = {0: b.T, 1: b[:, ::-1], 2: b[::-1, :].T, 3: b}[action].copy()
     gained = 0
     for i, line in enumerate(lines):
-        vals = [int(v) for v in line if v]
-        out, j = [], 0
-        while j < len(vals):
-            if j + 1 < len(vals) and vals[j] == vals[j + 1]:
-                out.append(vals[j] + 1)
-                gained += 2 ** (vals[j] + 1)
-                j += 2
-            else:
-                out.append(vals[j])
-                j += 1
-        lines[i] = out + [0] * (len(line) - len(out))
+        lines[i], g = merge_line(line)
+        gained += g
     new = {0: lines.T, 1: lines[:, ::-1], 2: lines.T[::-1, :], 3: lines}[action]
     return np.ascontiguousarray(new), gained
 

@@ -12,7 +12,9 @@ Actions are free text (``parse_action``), read with the original's six patterns 
 (``place 5 at row 2 col 3``, ``place 5 at (2,3)``, ``place 5 at 2,3``, ``5 at 2,3``, ``(2,3,5)``,
 ``2,3,5``; lower-cased, leftmost match, the first pattern that matches decides), numbers 1-based.
 As in the original the positional forms read ``row, col, number`` unless the text contains
-``place`` or ``at`` anywhere, in which case the first number is the value.
+``place`` or ``at`` anywhere, in which case the first number is the value. The six searches are
+fixed sequences of gathers over the answer's bytes (``environments.text_match``): ~6 ms for a batch
+of 128 answers on a 2-core CPU.
 
 Rewards (the original's): a parse failure, a given cell, or a placement that repeats a number in
 its row, column or box: ``invalid_action_score`` (-0.1), nothing placed, ``action_is_valid`` False.
@@ -351,10 +353,17 @@ class Sudoku(Environment):
         v = jnp.clip(state.grid - 1, 0, n - 1)
         last = (jnp.arange(n) == n - 1)[None, :].astype(jnp.int32)
         cells = jnp.asarray(self._cell_ids)[last, v, code]                        # [n, n]
+        return self._layout(cells, cell_width=3)
+
+    def _layout(self, cells: chex.Array, cell_width: int):
+        """Cell pieces ``[n, n]`` laid out as the original's grids: ``| `` between boxes, a dashed
+        line (``n * cell_width + k - 1`` dashes) between bands, ``\n`` between rows."""
+        n, k = self.n, self.k
+        dashes = self._id("\n" + "-" * (n * cell_width + k - 1) + "\n")
         pieces = []
         for i in range(n):
             if i > 0:
-                pieces.append(jnp.asarray([self._id("\n" + "-" * (n * 3 + k - 1) + "\n") if i % k == 0 else self._id("\n")]))
+                pieces.append(jnp.asarray([dashes if i % k == 0 else self._id("\n")]))
             for j in range(n):
                 if j > 0 and j % k == 0:
                     pieces.append(jnp.asarray([self._id("| ")]))
@@ -470,17 +479,8 @@ class Sudoku(Environment):
         t = self._table
         last_ids = np.asarray([t.id(".")] + [t.id(str(v)) for v in range(1, n + 1)])
         mid_ids = np.asarray([t.id(". ")] + [t.id(f"{v} ") for v in range(1, n + 1)])
-        pieces = []
-        for i in range(n):
-            if i > 0:
-                pieces.append(jnp.asarray([t.id("\n" + "-" * (n * 2 + k - 1) + "\n") if i % k == 0 else t.id("\n")]))
-            for j in range(n):
-                if j > 0 and j % k == 0:
-                    pieces.append(jnp.asarray([t.id("| ")]))
-                table = last_ids if j == n - 1 else mid_ids
-                pieces.append(jnp.asarray(table)[state.grid[i, j]][None])
-        p = jnp.concatenate(pieces).astype(jnp.int32)
-        return p, jnp.ones(p.shape, bool)
+        table = jnp.asarray(np.stack([mid_ids] * (n - 1) + [last_ids]))             # [n cols, n + 1]
+        return self._layout(table[jnp.arange(n)[None, :], state.grid], cell_width=2)
 
     # --- host reference render (the original's formatting functions, NumPy) -----------------
     def render_text(self, state: SudokuState, fmt: str | None = None) -> str:

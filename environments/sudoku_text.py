@@ -38,38 +38,31 @@ def valid_numbers(grid: np.ndarray, r: int, c: int) -> list[int]:
     return [v for v in range(1, n + 1) if v not in used]
 
 
-def grid_simple(grid: np.ndarray) -> str:
+def _layout(grid: np.ndarray, cell, cell_width: int) -> str:
+    """Rows of ``cell(i, j)`` strings, ``| `` between boxes, dashed lines between bands, each row
+    right-stripped (the original's two grid formatters)."""
     n = grid.shape[0]
     k = int(round(n ** 0.5))
     lines = []
     for i in range(n):
         if i and i % k == 0:
-            lines.append("-" * (n * 2 + k - 1))
-        row = ""
-        for j in range(n):
-            if j and j % k == 0:
-                row += "| "
-            row += (str(int(grid[i, j])) if grid[i, j] else ".") + " "
-        lines.append(row.rstrip())
+            lines.append("-" * (n * cell_width + k - 1))
+        lines.append("".join(("| " if j and j % k == 0 else "") + cell(i, j) for j in range(n)).rstrip())
     return "\n".join(lines)
+
+
+def grid_simple(grid: np.ndarray) -> str:
+    return _layout(grid, lambda i, j: (str(int(grid[i, j])) if grid[i, j] else ".") + " ", 2)
 
 
 def grid_marked(grid: np.ndarray, initial: np.ndarray) -> str:
-    n = grid.shape[0]
-    k = int(round(n ** 0.5))
     bad = conflict_cells(grid)
-    lines = []
-    for i in range(n):
-        if i and i % k == 0:
-            lines.append("-" * (n * 3 + k - 1))
-        row = ""
-        for j in range(n):
-            if j and j % k == 0:
-                row += "| "
-            v = int(grid[i, j])
-            row += " . " if not v else f"[{v}]" if initial[i, j] else f"*{v}*" if (i, j) in bad else f" {v} "
-        lines.append(row.rstrip())
-    return "\n".join(lines)
+
+    def cell(i, j):
+        v = int(grid[i, j])
+        return " . " if not v else f"[{v}]" if initial[i, j] else f"*{v}*" if (i, j) in bad else f" {v} "
+
+    return _layout(grid, cell, 3)
 
 
 def feedback(state, n: int) -> str:
