@@ -67,7 +67,8 @@ class SamplingConfig:
 @struct.dataclass
 class GenerateOutput:
     tokens: Array  # int32 [B, N] sampled tokens, pad_id after each row's length
-    logprobs: Array  # float32 [B, N] log-prob of each sampled token at temperature 1 (0 on padding)
+    logprobs: Array  # float32 [B, N] log-prob of each sampled token under the temperature-scaled
+    #                  distribution before top-k / top-p (temperature 0 rows: 1), 0 on padding
     lengths: Array  # int32 [B] tokens generated (stop token included); 0 for inactive rows
     stopped: Array  # bool [B] row ended on a stop id / stop sequence (False: budget exhausted or inactive)
     cache: Any  # KV cache with token n of row b at slot start[b] + n
@@ -413,6 +414,10 @@ def generate(
     aligned, seq_lengths = _right_align(stop_sequences)
 
     graphdef, params = _split_model(model)
+    # The policy the StarPO ratio compares against samples at this temperature (verl's convention:
+    # log-probs of logits / T). Greedy rows keep T = 1; multiplying by exactly 1.0 changes nothing.
+    temperature = _broadcast_rows(sampling.temperature, batch, jnp.float32)
+    inv_t = jnp.where(temperature > 0, 1.0 / jnp.where(temperature > 0, temperature, 1.0), 1.0)[:, None]
     split = jax.vmap(jax.random.split)(keys)
     next_keys, call_keys = split[:, 0], split[:, 1]
     n_new = max_new_tokens
@@ -423,7 +428,8 @@ def generate(
     def body(s: _LoopState) -> _LoopState:
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, s.step)))(call_keys)
         token = sample_logits(s.logits, u, sampling, filter_candidates)
-        logprob = jnp.take_along_axis(s.logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(s.logits, axis=-1)
+        scaled = s.logits * inv_t
+        logprob = jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
 
         live = ~s.done
         window = jnp.concatenate([s.window[:, 1:], token[:, None]], axis=1)

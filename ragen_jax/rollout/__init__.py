@@ -3,6 +3,8 @@
     rollout = make_rollout(graphdef, env, env_params, tokenizer, RolloutConfig(...))
     trajectory = rollout(params, jax.random.fold_in(key, step))
     rows = turn_rows(trajectory, *rollout.per_turn_rows)   # limited context: one row per turn
+
+Episode metrics of a batch: ``ragen_jax.training.metrics.rollout_metrics``.
 """
 from ragen_jax.rollout.agent import (
     CONTEXT_MODES,
@@ -11,7 +13,6 @@ from ragen_jax.rollout.agent import (
     RolloutConfig,
     build_system_text,
     make_rollout,
-    rollout_metrics,
     validation_keys,
 )
 from ragen_jax.rollout.chat import ChatFraming, chat_framing
@@ -21,6 +22,6 @@ from ragen_jax.rollout.turn_rows import TurnRows, turn_rows
 
 __all__ = [
     "CONTEXT_MODES", "ChatFraming", "ForcedReplies", "HostEnv", "Rollout", "RolloutConfig", "Trajectory",
-    "TurnRows", "build_system_text", "chat_framing", "make_rollout", "rollout_metrics", "turn_rows",
+    "TurnRows", "build_system_text", "chat_framing", "make_rollout", "turn_rows",
     "validation_keys",
 ]

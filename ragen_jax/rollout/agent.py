@@ -470,7 +470,7 @@ class Rollout:
         eot = active & (rlen > 0) & (last_tok == cd.eot_id)
         pos = prompt_end + rlen
 
-        parsed, reasoning_end = self._parse(reply, rlen, prompt_end, eot)
+        parsed, reasoning_end = self._parse(reply, rlen, prompt_end)
         state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
 
         stepped = active & (parsed.n_valid > 0)
@@ -529,7 +529,7 @@ class Rollout:
         _, cache = prefill(model, cache, ftok, start, rlen)
         return ftok, rlen, jnp.zeros((B, N), jnp.float32), cache, keys
 
-    def _parse(self, reply, rlen, gen_start, eot):
+    def _parse(self, reply, rlen, gen_start):
         """Reply tokens → bytes → ``parser.parse_reply``; plus where the reasoning ends in the
         transcript (the token holding ``</think>``; the reply's end when it never closes)."""
         c = self.config
@@ -543,10 +543,11 @@ class Rollout:
                                                               c.enable_think))(rbytes, nbytes)
         if not c.enable_think:
             return parsed, gen_start
-        # Reasoning span: after the forced "<think>" up to the token holding "</think>".
+        # Reasoning span: after the forced "<think>" up to the token holding "</think>". A reply that
+        # does not parse has none (empty span): the MI proxy excludes the turn, as the original does,
+        # rather than scoring the whole malformed reply as reasoning.
         end_tok = jnp.take_along_axis(bsrc, jnp.clip(parsed.think_end, 0, self.reply_bytes - 1)[:, None], 1)[:, 0]
-        has_think = parsed.think_end < nbytes
-        return parsed, jnp.where(has_think, gen_start + end_tok - 1, gen_start + rlen - eot.astype(jnp.int32))
+        return parsed, jnp.where(parsed.matched, gen_start + end_tok - 1, gen_start)
 
     def _step_envs(self, env_keys, carry: TurnCarry, parsed, active):
         """The parsed actions, one slot at a time (``lax.scan``), each masked by validity, the
@@ -727,32 +728,6 @@ class LimitedContext(FullContext):
 
 
 CONTEXT_STRATEGIES = {"full": FullContext, "limited": LimitedContext, "reprefill": ReprefillContext}
-
-
-def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
-    """Episode metrics of a batch (spec §4.6), means over episodes; ``pass@k`` over groups of ``k``.
-
-    ``success``, ``num_actions``, ``valid_action_rate`` (turns whose parsed actions were all valid),
-    ``effective_action_rate`` (executed actions that changed the state), ``response_length``
-    (sampled tokens per episode), ``num_turns``, ``episode_return``, ``format_penalty`` (mean
-    per-episode sum), ``truncated`` (episodes cut by ``max_seq_len``).
-    """
-    f = lambda x: jnp.mean(jnp.asarray(x, jnp.float32))
-    groups = traj.success.reshape(-1, group_size)
-    out = {
-        "success": f(traj.success),
-        "num_actions": f(traj.num_actions),
-        "valid_action_rate": f(traj.valid_action_rate),
-        "effective_action_rate": f(traj.effective_action_rate),
-        "response_length": f(traj.response_length),
-        "num_turns": f(traj.num_turns),
-        "episode_return": f(traj.episode_return),
-        "format_penalty": f(jnp.sum(traj.turn_format_penalty, axis=1)),
-        f"pass@{group_size}": f(jnp.any(groups, axis=1)),
-    }
-    if traj.truncated is not None:
-        out["truncated"] = f(traj.truncated)
-    return out
 
 
 def make_rollout(graphdef, env, env_params, tokenizer, config: RolloutConfig, placement=None) -> Rollout:

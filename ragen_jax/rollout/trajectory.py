@@ -37,7 +37,8 @@ class Trajectory:
 
     # MI diagnostics. X_t = tokens[0:prompt_end[b, t]] (the whole context up to and including the
     # forced "<think>" of turn t); Z_t = tokens[reasoning_start:reasoning_end] (the reasoning
-    # content without its tags). First-turn pairs use t = 0.
+    # content without its tags; empty when the reply does not parse, so the MI proxy skips that
+    # turn). First-turn pairs use t = 0.
     prompt_end: chex.Array  # int32 [B, T]
     reasoning_start: chex.Array  # int32 [B, T]
     reasoning_end: chex.Array  # int32 [B, T]

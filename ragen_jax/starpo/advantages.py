@@ -381,10 +381,14 @@ def length_weight(advantages: Array, loss_mask: Array) -> Array:
     """GRPO length weighting (spec §5.3.3): ``A_i <- A_i / ((n_i + 1e-6) / mean_j n_j)``, ``n_i = sum_t m_{i,t}``.
 
     Longer responses get proportionally smaller per-token advantages, so every episode carries about
-    the same total weight under token-mean aggregation.
+    the same total weight under token-mean aggregation. The mean runs over the rows that train
+    (``n_j > 0``): rows the SNR filter dropped have an all-zero mask, and counting them would shrink
+    the mean — and every kept advantage — by the kept fraction (the original removes those rows
+    from the batch before this step).
     """
     n = jnp.sum(loss_mask.astype(advantages.dtype), axis=-1)
-    scale = (n + LENGTH_WEIGHT_EPS) / jnp.mean(n)
+    rows = jnp.maximum(jnp.sum(n > 0), 1).astype(advantages.dtype)
+    scale = (n + LENGTH_WEIGHT_EPS) / jnp.maximum(jnp.sum(n) / rows, LENGTH_WEIGHT_EPS)
     return advantages / scale[:, None]
 
 

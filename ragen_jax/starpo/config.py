@@ -89,6 +89,10 @@ class StarPOConfig:
       separate (its own Decoder + value head); ``cliprange_value`` clips the value update.
     ``logprob_chunk_size``: positions per chunk when computing log-softmax over the vocabulary, so
       ``[B, L, V]`` logits are never materialised at once.
+    ``logprob_temperature``: the policy, reference and ratio are scored as ``softmax(logits / T)``
+      (verl's convention), so the PPO ratio compares against the distribution the rollout sampled
+      from; None = the rollout's ``temperature`` (resolved by the trainer's configuration), 1 for a
+      caller that builds the update alone.
     """
 
     adv_estimator: str = "gae"
@@ -131,6 +135,7 @@ class StarPOConfig:
     critic: str = "auto"
     cliprange_value: float = 0.5
     logprob_chunk_size: int = 256
+    logprob_temperature: Optional[float] = None
 
     DEFAULT_MINI_BATCH_SIZE = 32
 
@@ -174,6 +179,8 @@ class StarPOConfig:
         _check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
+        if self.logprob_temperature is not None:
+            _check_number(s, "logprob_temperature", self.logprob_temperature, 0.0, strict=True)
         for name in ("mini_batch_size", "num_mini_batches", "micro_batch_size"):
             if getattr(self, name) is not None:
                 _check_int(s, name, getattr(self, name), 1)
@@ -207,6 +214,11 @@ class StarPOConfig:
         if self.adv_estimator == "grpo" and not self.norm_adv_by_std:
             return "drgrpo"
         return self.adv_estimator
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are scored at (``logprob_temperature``, 1 when unset)."""
+        return 1.0 if self.logprob_temperature is None else float(self.logprob_temperature)
 
     @property
     def critic_mode(self) -> str:

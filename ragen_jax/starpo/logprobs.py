@@ -1,7 +1,8 @@
 """Teacher-forced log-probs and entropies of a Trajectory under a Decoder, without [B, L, V] logits.
 
-The trainer recomputes every sampled token's log-prob under the current policy at temperature 1
-(and under the reference, and the critic's values). With a 150k vocabulary the full logits of a
+The trainer recomputes every sampled token's log-prob under the current policy at the rollout's
+sampling temperature (``temperature``: logits / T, verl's convention; 1 by default), and under the
+reference, and the critic's values. With a 150k vocabulary the full logits of a
 batch would not fit, so the log-softmax is taken one chunk of positions at a time: the trunk runs
 once to give hidden states ``[B, L, D]``, then a ``lax.scan`` over position chunks applies the LM
 head, reduces each chunk to ``[B, chunk]`` log-probs and entropies, and drops the logits. The chunk
@@ -23,9 +24,12 @@ def positions_for(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def _head_chunk(head_graphdef, head_state, hidden, targets, with_entropy: bool):
-    """hidden [B, c, D], targets int32 [B, c] -> (log p(target) [B, c], entropy [B, c]) in float32."""
+def _head_chunk(head_graphdef, head_state, hidden, targets, with_entropy: bool, temperature: float = 1.0):
+    """hidden [B, c, D], targets int32 [B, c] -> (log p(target) [B, c], entropy [B, c]) in float32,
+    of the distribution ``softmax(logits / temperature)``."""
     logits = nnx.merge(head_graphdef, head_state).logits(hidden)  # float32 [B, c, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     log_z = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
     if not with_entropy:
@@ -36,7 +40,8 @@ def _head_chunk(head_graphdef, head_state, hidden, targets, with_entropy: bool):
 
 
 def logprobs_from_hidden(
-    model, hidden: jax.Array, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True
+    model, hidden: jax.Array, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies from final hidden states, chunked over positions.
 
@@ -45,6 +50,7 @@ def logprobs_from_hidden(
       hidden: [B, L, D] final-normed hidden states of ``tokens``.
       tokens: int32 [B, L].
       chunk_size: positions per chunk (the peak is one [B, chunk_size, V] logits block).
+      temperature: static; the distribution scored is ``softmax(logits / temperature)``.
     Returns:
       (logp, entropy): float32 [B, L]; ``logp[:, t] = log pi(tokens[t] | tokens[:t])`` and
       ``entropy[:, t]`` the entropy of the distribution token t was drawn from; both 0 at t = 0.
@@ -61,11 +67,11 @@ def logprobs_from_hidden(
     targets = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1)
 
     graphdef, state = nnx.split(model)
-    head = jax.checkpoint(_head_chunk, static_argnums=(0, 4))
+    head = jax.checkpoint(_head_chunk, static_argnums=(0, 4, 5))
 
     def body(_, xs):
         h, tgt = xs
-        return None, head(graphdef, state, h, tgt, with_entropy)
+        return None, head(graphdef, state, h, tgt, with_entropy, float(temperature))
 
     _, (logp, ent) = jax.lax.scan(body, None, (hidden, targets))
     logp = logp.swapaxes(0, 1).reshape(batch, padded)[:, : seq_len - 1]
@@ -75,7 +81,8 @@ def logprobs_from_hidden(
 
 
 def sequence_logprobs(
-    model, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True, shared_prefix_len: int = 0
+    model, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True, shared_prefix_len: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One trunk pass over right-padded rows: (logp [B, L], entropy [B, L], hidden [B, L, D]).
 
@@ -87,7 +94,8 @@ def sequence_logprobs(
     P = shared_prefix_len
     if not P:
         hidden, _ = model.hidden(tokens, positions_for(tokens))
-        logp, ent = logprobs_from_hidden(model, hidden, tokens, chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, ent = logprobs_from_hidden(model, hidden, tokens, chunk_size=chunk_size, with_entropy=with_entropy,
+                                         temperature=temperature)
         return logp, ent, hidden
     batch, seq_len = tokens.shape
     if not 0 < P < seq_len:
@@ -98,10 +106,10 @@ def sequence_logprobs(
     # Tokens 1..P-1 are scored once (shared); token P onwards per row, from the prefix's last
     # position followed by the rows' own: scoring tokens[:, P-1:] gives [0, logp(P), logp(P+1), ...].
     lp_pre, ent_pre = logprobs_from_hidden(model, h_pre, tokens[:1, :P], chunk_size=chunk_size,
-                                           with_entropy=with_entropy)
+                                           with_entropy=with_entropy, temperature=temperature)
     h_last = jnp.broadcast_to(h_pre[:, P - 1:], (batch, 1, h_pre.shape[-1]))
     lp_rest, ent_rest = logprobs_from_hidden(model, jnp.concatenate([h_last, h_rest], axis=1), tokens[:, P - 1:],
-                                             chunk_size=chunk_size, with_entropy=with_entropy)
+                                             chunk_size=chunk_size, with_entropy=with_entropy, temperature=temperature)
     logp = jnp.concatenate([jnp.broadcast_to(lp_pre, (batch, P)), lp_rest[:, 1:]], axis=1)
     ent = jnp.concatenate([jnp.broadcast_to(ent_pre, (batch, P)), ent_rest[:, 1:]], axis=1)
     hidden = jnp.concatenate([jnp.broadcast_to(h_pre, (batch,) + h_pre.shape[1:]), h_rest], axis=1)

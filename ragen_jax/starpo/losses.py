@@ -96,6 +96,13 @@ def seq_mean_token_sum_norm(x, mask, row_weights=None):
     """Token sum over a constant normaliser (Dr. GRPO): ``sum_b w_b sum_t m x / (sum_b w_b * L)``.
 
     ``L`` is the static sequence width, so every row counts the same whatever its length.
+
+    This is the Dr. GRPO paper's objective (Liu et al., 2025: the ``1/|o_i|`` of GRPO replaced by a
+    constant, the mean over the group's ``G`` responses kept). verl v0.6.1's ``agg_loss`` under the
+    same name divides by ``L`` only — ``sum_b sum_t m x / L``, no mean over rows — so its loss (and
+    gradient) is ours times the number of rows: a learning-rate scale at a fixed batch size, to
+    which AdamW is invariant up to ``eps`` and gradient clipping. Multiply the learning rate (or
+    ``grad_clip``) by the rows per mini-batch to match a verl run exactly.
     """
     m, row_sum, _, w = _row_terms(x, mask, row_weights)
     return jnp.sum(w * row_sum), jnp.sum(w) * m.shape[-1]

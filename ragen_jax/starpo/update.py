@@ -6,7 +6,7 @@
 
 Inside that one compiled function, top to bottom (spec §5.1):
 
-  1. old log-probs of the sampled tokens under the current policy (temperature 1, recomputed, compared
+  1. old log-probs of the sampled tokens under the current policy (at the rollout's temperature, recomputed, compared
      with the sampler's), reference log-probs when a KL term is used, critic values;
   2. collapse diagnostics (MI proxy) on the pre-filter batch, under ``lax.cond`` on the step counter;
   3. SNR filter: a weight per group, repeated over its rows (0 = dropped; nothing is gathered out);
@@ -294,6 +294,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
         """Loss of one micro-batch as its share of the mini-batch aggregate: numerator / (mini-batch den)."""
         policy = nnx.merge(graphdefs.policy, params, rest[0])
         logp, entropy, hidden = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk,
+                                                  temperature=cfg.scoring_temperature,
                                                   shared_prefix_len=shared_prefix_len)
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         actor_num, _, terms = losses.actor_objective(
@@ -330,7 +331,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
 
 def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: TrainState, traj: Trajectory,
                 rows, micro_size: int, shared_prefix_len: int) -> dict:
-    """Stage 1, no gradient: old log-probs (temperature 1) and entropies, reference log-probs when a
+    """Stage 1, no gradient: old log-probs (at the sampling temperature) and entropies, reference log-probs when a
     KL term needs them, critic values; each float32 ``[B, L]`` on the transcript. On per-turn rows
     (``rows``) every reply is scored in the window it was sampled in, then written back."""
     policy_rest, critic_rest, ref_rest = state.rest
@@ -339,11 +340,13 @@ def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: T
     def score_rows(chunk_rows):
         policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
         logp, entropy, hidden = sequence_logprobs(policy, chunk_rows["tokens"], chunk_size=chunk,
+                                                  temperature=cfg.scoring_temperature,
                                                   shared_prefix_len=shared_prefix_len)
         out = {"logp": logp, "entropy": entropy}
         if cfg.uses_reference:
             ref = nnx.merge(graphdefs.reference, state.ref_params, ref_rest)
             out["ref_logp"], _, _ = sequence_logprobs(ref, chunk_rows["tokens"], chunk_size=chunk,
+                                                      temperature=cfg.scoring_temperature,
                                                       with_entropy=False, shared_prefix_len=shared_prefix_len)
         if cfg.critic_mode != "none":
             out["values"] = critic_values(state.critic_params, critic_rest, chunk_rows["tokens"], hidden)

@@ -175,6 +175,9 @@ def resolve(config: ConfigDict) -> RunSpec:
     starpo = _build("starpo", StarPOConfig, config.starpo.to_dict())
     filt = _build("filter", FilterConfig, config.filter.to_dict())
     collapse = _build("collapse", CollapseConfig, config.collapse.to_dict())
+    if starpo.logprob_temperature is None:
+        # Score the ratio's log-probs at the temperature the rollout sampled at (verl's convention).
+        starpo = dataclasses.replace(starpo, logprob_temperature=float(rollout.temperature))
     if collapse.max_reasoning_tokens is None:
         # A reasoning lies inside one reply: the MI proxy's scoring buffers need no more room than
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
@@ -186,6 +189,25 @@ def resolve(config: ConfigDict) -> RunSpec:
                    collapse=collapse, preset=preset)
 
 
+def _warn_off_policy_ratio(rollout, starpo) -> None:
+    """The PPO ratio scores ``softmax(logits / T)`` over the whole vocabulary; a rollout that samples
+    at another temperature, or from a truncated (top-k / top-p) distribution, drew its tokens from
+    a different policy than the one the ratio divides by."""
+    import warnings
+
+    notes = []
+    if abs(starpo.scoring_temperature - rollout.temperature) > 1e-9:
+        notes.append(f"starpo.logprob_temperature={starpo.logprob_temperature} differs from "
+                     f"rollout.temperature={rollout.temperature}")
+    if rollout.top_p < 1.0 or rollout.top_k > 0:
+        notes.append(f"rollout.top_p={rollout.top_p} / rollout.top_k={rollout.top_k} truncate the sampling "
+                     "distribution, which the ratio does not (verl's behaviour too)")
+    if notes:
+        warnings.warn("the StarPO ratio is off-policy: " + "; ".join(notes) + ". Leave "
+                      "starpo.logprob_temperature unset and sample training rollouts with top_p=1, top_k=0 "
+                      "for an exact ratio", stacklevel=3)
+
+
 def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
     """Constraints between sections: training temperature, batch layout, a solver for the warm-up."""
     if rollout.temperature <= 0:
@@ -193,6 +215,7 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
               "episodes of a group would be identical, their rewards would have no spread and StarPO would "
               "have nothing to learn from; use a temperature > 0 (RAGEN: 1.0). Greedy decoding is for "
               "evaluation: eval.temperature=0")
+    _warn_off_policy_ratio(rollout, starpo)
     try:  # the update's own layout: the one place that checks that batches divide
         _, mini = starpo.mini_batch_layout(rollout.batch_size)
         starpo.micro_batch_layout(mini)

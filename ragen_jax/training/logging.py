@@ -47,7 +47,15 @@ def to_host_scalars(metrics: Mapping) -> dict[str, float]:
     return out
 
 
-def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple[float, float] | None = None):
+def quadrant_lines(baseline: tuple[float, float], mi_ratio: float, entropy_ratio: float) -> tuple[float, float]:
+    """``(MI line, H(Z|X) line)`` of the regime quadrants: the collapse thresholds of
+    ``CollapseConfig`` (``regime_mi_ratio`` × baseline MI, ``regime_entropy_ratio`` × baseline
+    H(Z|X)), the same numbers the regime metrics classify with."""
+    return mi_ratio * baseline[0], entropy_ratio * baseline[1]
+
+
+def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple[float, float] | None = None,
+                    mi_ratio: float = 0.5, entropy_ratio: float = 0.5):
     """Scatter MI (y) against H(Z|X) (x) over training, coloured by step; returns an RGB array.
 
     The four quadrants relative to the baseline are RAGEN-2's regimes: diverse reasoning (high MI,
@@ -57,6 +65,8 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
     Args:
       history: ``(step, mi, conditional_entropy)`` triples.
       baseline: ``(mi, conditional_entropy)`` reference for the quadrant lines (None: no lines).
+      mi_ratio, entropy_ratio: the lines sit at these fractions of the baseline
+        (``collapse.regime_mi_ratio`` / ``collapse.regime_entropy_ratio``).
     Returns:
       uint8 ``[H, W, 3]`` image.
     """
@@ -72,8 +82,9 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
         ax.plot(pts[:, 2], pts[:, 1], lw=0.5, color="grey")
         fig.colorbar(sc, ax=ax, label="step")
     if baseline is not None:
-        ax.axhline(0.5 * baseline[0], color="red", lw=0.8, ls="--")
-        ax.axvline(0.5 * baseline[1], color="red", lw=0.8, ls="--")
+        mi_line, entropy_line = quadrant_lines(baseline, mi_ratio, entropy_ratio)
+        ax.axhline(mi_line, color="red", lw=0.8, ls="--")
+        ax.axvline(entropy_line, color="red", lw=0.8, ls="--")
     ax.set_xlabel("H(Z|X)  (conditional entropy, nats/token)")
     ax.set_ylabel("MI proxy  I(X;Z)")
     ax.set_title("Reasoning regime")

@@ -416,7 +416,9 @@ def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, hos
     if _mi_values(metrics)[2] and host.history["quadrant"]:
         q = np.asarray(host.history["quadrant"])
         nb = max(1, min(len(q), spec.collapse.baseline_steps))
-        logger.image(step, "collapse/quadrant", quadrant_figure(q, (q[:nb, 1].mean(), q[:nb, 2].mean())))
+        logger.image(step, "collapse/quadrant", quadrant_figure(q, (q[:nb, 1].mean(), q[:nb, 2].mean()),
+                                                                spec.collapse.regime_mi_ratio,
+                                                                spec.collapse.regime_entropy_ratio))
     if t.transcript_every and step % t.transcript_every == 0:
         from ragen_jax.rollout import codec as codec_lib
 

@@ -349,7 +349,9 @@ def test_first_token_frequencies_match_model_softmax():
     np.testing.assert_allclose(np.asarray(out.logprobs[:, 0]), np.log(probs[np.asarray(out.tokens[:, 0])]), atol=1e-4)
 
 
-def test_logprobs_are_temperature_one_even_when_filtered():
+def test_logprobs_are_at_the_sampling_temperature_before_filtering():
+    """Recorded log-probs are ``log softmax(logits / T)`` over the whole vocabulary (verl's
+    convention, what the StarPO ratio recomputes), even when top-k / top-p truncated the draw."""
     cfg, model = tiny_model(seed=5)
     batch, n = 4, 6
     graph = nnx.split(model)
@@ -365,8 +367,9 @@ def test_logprobs_are_temperature_one_even_when_filtered():
             tok = int(out.tokens[b, t])
             keep, _ = np_allowed(logits, 0.6, 5, 0.8)
             assert keep[tok]
-            lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
-            np.testing.assert_allclose(float(out.logprobs[b, t]), logits[tok] - lse, atol=1e-4)
+            scaled = logits / 0.6
+            lse = scaled.max() + np.log(np.exp(scaled - scaled.max()).sum())
+            np.testing.assert_allclose(float(out.logprobs[b, t]), scaled[tok] - lse, atol=1e-4)
             seq.append(tok)
 
 

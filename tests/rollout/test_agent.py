@@ -172,6 +172,10 @@ def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kw
                 thought = plain[: plain.index("</think>")]
                 assert thought.startswith(reasoning), (reasoning, plain)
                 assert not thought.startswith(decode(tok, traj.tokens[b, rs:re_ + 1])), (reasoning, plain)
+            else:
+                # A reply that does not parse has no reasoning: the MI proxy leaves the turn out
+                # (as the original does) instead of taking the whole reply as Z.
+                assert re_ == rs, (reasoning, plain)
     assert not bool(jnp.any(traj.truncated))
     np.testing.assert_array_equal(np.asarray(traj.group_ids), np.arange(cfg.batch_size) // cfg.group_size)
 
@@ -286,33 +290,48 @@ def test_limited_window_logprobs_equal_forward_over_window(window):
 
 
 def test_rollout_metrics_against_numpy():
-    from ragen_jax.rollout import rollout_metrics
+    """The trainer's episode metrics (``training.metrics.rollout_metrics``), every key against NumPy."""
     from ragen_jax.rollout.trajectory import Trajectory
+    from ragen_jax.training.metrics import rollout_metrics
 
     rng = np.random.default_rng(2)
     B, T, L = 6, 3, 8
     success = np.array([1, 0, 0, 0, 1, 1], bool)
     pen = -0.1 * (rng.random((B, T)) < 0.5)
+    valid = np.arange(L)[None] < rng.integers(2, L + 1, B)[:, None]
+    ret = rng.random(B).astype(np.float32)
+    resp = rng.integers(0, 50, B).astype(np.int32)
+    trunc = np.array([0, 1, 0, 0, 0, 1], bool)
     arr = lambda x: jnp.asarray(x)
     traj = Trajectory(
-        tokens=arr(np.zeros((B, L), np.int32)), valid_mask=arr(np.ones((B, L), bool)),
+        tokens=arr(np.zeros((B, L), np.int32)), valid_mask=arr(valid),
         loss_mask=arr(np.zeros((B, L), bool)), sampler_logprobs=arr(np.zeros((B, L), np.float32)),
         turn_ids=arr(np.zeros((B, L), np.int32)), token_rewards=arr(np.zeros((B, L), np.float32)),
         turn_rewards=arr(np.zeros((B, T), np.float32)), turn_format_penalty=arr(pen.astype(np.float32)),
         turn_mask=arr(np.ones((B, T), bool)), turn_last_token=arr(np.zeros((B, T), np.int32)),
         prompt_end=arr(np.zeros((B, T), np.int32)), reasoning_start=arr(np.zeros((B, T), np.int32)),
         reasoning_end=arr(np.zeros((B, T), np.int32)), group_ids=arr(np.arange(B) // 2),
-        episode_return=arr(rng.random(B).astype(np.float32)), success=arr(success),
+        episode_return=arr(ret), success=arr(success),
         num_turns=arr(np.full(B, 3, np.int32)), num_actions=arr(rng.integers(0, 6, B).astype(np.int32)),
         valid_action_rate=arr(rng.random(B).astype(np.float32)),
         effective_action_rate=arr(rng.random(B).astype(np.float32)),
-        response_length=arr(rng.integers(0, 50, B).astype(np.int32)), truncated=arr(np.zeros(B, bool)),
+        response_length=arr(resp), truncated=arr(trunc),
     )
-    m = rollout_metrics(traj, group_size=2)
-    assert float(m["pass@2"]) == pytest.approx(2 / 3)  # groups (1,0), (0,0), (1,1)
-    assert float(m["success"]) == pytest.approx(0.5)
-    assert float(m["format_penalty"]) == pytest.approx(pen.sum(1).mean(), abs=1e-6)
-    assert float(m["num_actions"]) == pytest.approx(np.asarray(traj.num_actions).mean())
+    m = {k: float(v) for k, v in rollout_metrics(traj, group_size=2).items()}
+    lengths = valid.sum(1)
+    want = {
+        "success": 0.5, "pass_at_2": 2 / 3,  # groups (1,0), (0,0), (1,1)
+        "return": ret.mean(), "return_std": ret.std(),
+        "in_group_reward_std": np.mean([np.std(ret[2 * g:2 * g + 2], ddof=1) for g in range(3)]),
+        "num_turns": 3.0, "num_actions": np.asarray(traj.num_actions).mean(),
+        "valid_action_rate": np.asarray(traj.valid_action_rate).mean(),
+        "effective_action_rate": np.asarray(traj.effective_action_rate).mean(),
+        "response_length": resp.mean(), "sequence_length": lengths.mean(), "sequence_length_max": lengths.max(),
+        "format_penalty": pen.sum(1).mean(), "sampled_tokens": resp.sum(), "truncated": trunc.mean(),
+    }
+    assert set(m) == set(want)
+    for k, v in want.items():
+        assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
 @pytest.mark.slow

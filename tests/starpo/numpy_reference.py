@@ -140,8 +140,10 @@ def whiten(x, mask):
 
 
 def length_weight(adv, mask):
+    """The mean length is over the rows that train: the original drops filtered rows from the
+    batch before weighting (here they are the rows with no loss tokens)."""
     lengths = [float(sum(mask[b])) for b in range(mask.shape[0])]
-    avg = mean(lengths)
+    avg = mean([n for n in lengths if n > 0] or [0.0])
     out = adv.copy()
     for b, n in enumerate(lengths):
         out[b] = adv[b] / ((n + 1e-6) / avg)

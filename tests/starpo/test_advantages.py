@@ -169,6 +169,16 @@ def test_compute_advantages_postprocessing(estimator, whiten, length_weight):
     np.testing.assert_allclose(got_ret, ret, rtol=1e-5, atol=1e-5)
 
 
+def test_length_weight_ignores_rows_the_filter_dropped():
+    """Kept rows get the same weights as in a batch of only the kept rows (lengths 2 and 4 -> mean 3)."""
+    adv = jnp.ones((4, 5))
+    mask = jnp.asarray([[1, 1, 0, 0, 0], [0] * 5, [1, 1, 1, 1, 0], [0] * 5], bool)
+    got = adv_lib.length_weight(adv, mask)
+    np.testing.assert_allclose(np.asarray(got)[[0, 2], 0], [3 / (2 + 1e-6), 3 / (4 + 1e-6)], rtol=1e-6)
+    kept_only = adv_lib.length_weight(adv[jnp.asarray([0, 2])], mask[jnp.asarray([0, 2])])
+    np.testing.assert_allclose(np.asarray(got)[[0, 2]], np.asarray(kept_only), rtol=1e-6)
+
+
 def test_compute_advantages_is_jittable():
     rng = np.random.default_rng(3)
     r, v, m, tid = to_jnp(*make_batch(rng, batch=4))

@@ -7,6 +7,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ragen_jax.training.checkpoint import Checkpointer
 from ragen_jax.training.logging import Logger, quadrant_figure, read_events, to_host_scalars
@@ -92,3 +93,18 @@ def test_tensorboard_scalars_text_image(tmp_path):
     assert ev["train/success"] == [(3, 0.25)]
     assert ev["train/return"] == [(3, -0.5)] and ev["actor/grad_norm"] == [(3, 1.5)]
     assert ev["transcripts/train"][0][1] == "text" and ev["collapse/quadrant"][0][1] == "image"
+
+
+def test_quadrant_lines_follow_the_configured_regime_ratios():
+    """The dashed lines are the thresholds ``classify_regime`` uses: ratio × baseline."""
+    from unittest import mock
+
+    from ragen_jax.training.logging import quadrant_lines
+
+    assert quadrant_lines((0.8, 2.0), 0.3, 0.7) == pytest.approx((0.24, 1.4))
+    import matplotlib.axes
+
+    with mock.patch.object(matplotlib.axes.Axes, "axhline", autospec=True) as h, \
+            mock.patch.object(matplotlib.axes.Axes, "axvline", autospec=True) as v:
+        quadrant_figure([(1, 0.8, 2.0)], baseline=(0.8, 2.0), mi_ratio=0.3, entropy_ratio=0.7)
+    assert h.call_args[0][1] == pytest.approx(0.24) and v.call_args[0][1] == pytest.approx(1.4)

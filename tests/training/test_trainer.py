@@ -221,3 +221,28 @@ def test_early_stop_reads_the_update_steps_empty_counter():
         seen.append((m["early_stop/consecutive_empty_after_filter_steps"], m["early_stop/reward_variance_collapse"]))
     assert early.rv_history == [1.0, 1.0, 0.05, 0.05]
     assert seen == [(0.0, 0.0), (1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (2.0, 0.0), (0.0, 1.0)]
+
+
+def test_ratio_is_scored_at_the_sampling_temperature(tmp_path):
+    """A rollout at temperature 0.7: the update rescores its tokens under softmax(logits / 0.7), so
+    the sampler's log-probs and the recomputed ones agree (an on-policy ratio); at the old
+    temperature 1 they would not."""
+    from ragen_jax.training.trainer import train
+
+    spec = small_config(tmp_path / "t07", total_steps=1, **{"rollout.temperature": 0.7, "warmup.steps": 0,
+                                                             "warmup.single_turn_steps": 0})
+    assert spec.starpo.logprob_temperature == 0.7
+    train(spec)
+    diff = read_scalars(tmp_path / "t07" / "tensorboard")["actor/sampler_logprob_abs_diff_max"][-1][1]
+    assert diff < 1e-4, diff
+    off = small_config(tmp_path / "t1", total_steps=1, **{"rollout.temperature": 0.7, "starpo.logprob_temperature": 1.0,
+                                                           "warmup.steps": 0, "warmup.single_turn_steps": 0})
+    with pytest.warns(UserWarning, match="off-policy: starpo.logprob_temperature=1.0 differs"):
+        small_config(tmp_path / "t1b", total_steps=1, **{"rollout.temperature": 0.7, "starpo.logprob_temperature": 1.0})
+    train(off)
+    assert read_scalars(tmp_path / "t1" / "tensorboard")["actor/sampler_logprob_abs_diff_max"][-1][1] > 1e-2
+
+
+def test_truncated_sampling_warns_that_the_ratio_is_off_policy(tmp_path):
+    with pytest.warns(UserWarning, match=r"rollout.top_p=0.9 / rollout.top_k=0 truncate"):
+        small_config(tmp_path, total_steps=1, **{"rollout.top_p": 0.9})

@@ -1,0 +1,72 @@
+"""EarlyStop: each signal fires when, and only when, its rule says (hand-worked sequences), and the
+trainer stops on a signal only when its ``trainer.stop_on_*`` switch is on."""
+from __future__ import annotations
+
+import types
+
+from ragen_jax.training.metrics import EarlyStop
+
+
+def run(early, steps):
+    """steps: (consecutive_empty, reward_std, episode_return, mi or None) -> the metrics per step."""
+    return [early.update(consecutive_empty=e, reward_std=s, episode_return=r, mi=m) for e, s, r, m in steps]
+
+
+def test_reward_variance_collapse_needs_window_consecutive_low_steps():
+    # baseline 2 steps of std 1.0; threshold 0.1 × 1.0; window 3.
+    fire = run(EarlyStop(baseline_steps=2, window=3, ratio=0.1), [(0, 1.0, 0, None)] * 2 + [(0, 0.05, 0, None)] * 3)
+    assert [m["early_stop/reward_variance_collapse"] for m in fire] == [0, 0, 0, 0, 1]
+    # One step at the threshold or above breaks the run (strictly below counts).
+    broken = run(EarlyStop(baseline_steps=2, window=3, ratio=0.1),
+                 [(0, 1.0, 0, None)] * 2 + [(0, 0.05, 0, None)] * 2 + [(0, 0.1, 0, None)] + [(0, 0.05, 0, None)] * 2)
+    assert [m["early_stop/reward_variance_collapse"] for m in broken] == [0] * 7
+    assert [m["early_stop/reward_variance_below_steps"] for m in broken] == [0, 0, 1, 2, 0, 1, 2]
+    # Low values inside the baseline window never fire (the baseline is being measured).
+    early = run(EarlyStop(baseline_steps=3, window=1, ratio=0.1), [(0, 0.0, 0, None)] * 3)
+    assert [m["early_stop/reward_variance_collapse"] for m in early] == [0, 0, 0]
+
+
+def test_mi_collapse_needs_low_mi_and_a_reward_plateau():
+    def steps(mis, returns):
+        return [(0, 1.0, r, m) for m, r in zip(mis, returns)]
+
+    # Baseline MI 1.0 over 2 computations; threshold 0.5; window 2; flat reward: fires at the 2nd low one.
+    flat = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.2, 0.2], [0.5] * 4))
+    assert [m["early_stop/mi_collapse"] for m in flat] == [0, 0, 0, 1]
+    # The same MI drop while the reward keeps climbing is not collapse (the policy is still improving).
+    rising = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.2, 0.2], [0.1, 0.2, 0.3, 0.4]))
+    assert [m["early_stop/mi_collapse"] for m in rising] == [0, 0, 0, 0]
+    # MI at or above the threshold never counts; steps without a computation (None, NaN) are skipped.
+    high = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.5, None, float("nan"), 0.6],
+                                                                          [0.5] * 6))
+    assert [m["early_stop/mi_collapse"] for m in high] == [0] * 6
+    assert [m["early_stop/mi_below_steps"] for m in high] == [0] * 6
+
+
+def test_state_round_trips_exactly():
+    early = EarlyStop(baseline_steps=2, window=2, ratio=0.1, mi_window=2, mi_baseline=1)
+    run(early, [(0, 1.0, 0.1, 1.0), (1, 0.0, 0.2, None), (0, 0.05, 0.2, 0.3)])
+    again = EarlyStop.from_state_dict(early.state_dict())
+    nxt = (0, 0.05, 0.2, 0.2)
+    assert run(again, [nxt]) == run(early, [nxt])
+
+
+def test_trainer_stops_only_when_the_switch_is_on():
+    from ragen_jax.training.trainer import _early_stop_reason
+
+    def spec(**switches):
+        t = types.SimpleNamespace(**{"stop_on_empty_filter": False, "stop_on_reward_collapse": False,
+                                     "stop_on_mi_collapse": False, **switches})
+        return types.SimpleNamespace(config=types.SimpleNamespace(trainer=t),
+                                     filter=types.SimpleNamespace(empty_stop_steps=2))
+
+    host = types.SimpleNamespace(early=types.SimpleNamespace(consecutive_empty=2))
+    fired = {"early_stop/reward_variance_collapse": 1.0, "early_stop/mi_collapse": 1.0}
+    assert _early_stop_reason(spec(), host, fired) is None
+    assert "empty" in _early_stop_reason(spec(stop_on_empty_filter=True), host, fired)
+    assert "reward" in _early_stop_reason(spec(stop_on_reward_collapse=True), host, fired).lower()
+    assert "mi" in _early_stop_reason(spec(stop_on_mi_collapse=True), host, fired).lower()
+    host.early.consecutive_empty = 1
+    quiet = {"early_stop/reward_variance_collapse": 0.0, "early_stop/mi_collapse": 0.0}
+    assert _early_stop_reason(spec(stop_on_empty_filter=True, stop_on_reward_collapse=True, stop_on_mi_collapse=True),
+                              host, quiet) is None
