@@ -72,10 +72,10 @@ class TextWorld:
             self.env.close()
         infos = textworld.EnvInfos(admissible_commands=True, max_score=True, won=True, lost=True, objective=True,
                                    description=True)
-        self.env = textworld.start(self.games[int(seed) % len(self.games)], request_infos=infos)
         with warnings.catch_warnings():
             # jericho does not know TextWorld's generated games; TextWorld tracks score itself.
             warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+            self.env = textworld.start(self.games[int(seed) % len(self.games)], request_infos=infos)
             state = self.env.reset()
         self.score, self.commands = 0, list(state.admissible_commands or [])
         return self._text(f"{state.objective}\n\n{state.description}", state)
