@@ -35,6 +35,7 @@ import numpy as np
 from environments import render
 from environments import text_match as tm
 from environments.core import EnvParams, EnvState, Environment
+from environments.hashing import expand_words
 
 # Token kinds.
 PAD, NUM, PLUS, MINUS, TIMES, DIVIDE, OPEN, CLOSE, BAD = range(9)
@@ -225,29 +226,38 @@ class Countdown(Environment):
     def default_params(self, max_steps_in_episode: int = 1) -> CountdownParams:
         return CountdownParams(max_steps_in_episode=jnp.int32(max_steps_in_episode))
 
-    def _candidate(self, key, count):
-        """One random puzzle of ``count`` numbers -> ``(numbers, target, acceptable)``.
+    WORDS_PER_STEP = 6  # two for the pair, four for the operator draw
 
-        Each combination takes two live values ``a >= b`` of the pool and one operator, uniformly
-        among those whose result is a positive whole number (``a - b`` needs ``a > b``, ``a / b``
-        needs ``b`` to divide ``a``: the classic Countdown rule), and puts the result back.
+    def _candidate(self, words, count):
+        """One random puzzle of ``count`` numbers from ``words`` (uint32 [m + 6 (m - 1)]) ->
+        ``(numbers, target, acceptable)``.
+
+        Each combination takes two live values ``a >= b`` of the pool (a uniformly random pair) and
+        one operator, uniformly among those whose result is a positive whole number (``a - b`` needs
+        ``a > b``, ``a / b`` needs ``b`` to divide ``a``: the classic Countdown rule), and puts the
+        result back.
         """
         m = self.max_numbers
-        k_nums, k_pairs, k_ops = jax.random.split(key, 3)
-        numbers = jax.random.randint(k_nums, (m,), 1, self.max_number + 1)
+        u = (words >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+        numbers = 1 + jnp.minimum((u[:m] * self.max_number).astype(jnp.int32), self.max_number - 1)
         numbers = jnp.where(jnp.arange(m) < count, numbers, 0)
         allowed = jnp.asarray([o in self.operators for o in "+-*/"])
         pool, alive = numbers, jnp.arange(m) < count
         for s in range(m - 1):
-            order = jax.random.permutation(jax.random.fold_in(k_pairs, s), m)
-            order = order[jnp.argsort(~alive[order], stable=True)]  # live slots first, in random order
-            i, j = order[0], order[1]
+            w = u[m + self.WORDS_PER_STEP * s: m + self.WORDS_PER_STEP * (s + 1)]
+            live = jnp.sum(alive)
+            # Ranks of two distinct live slots, then the slots themselves (the k-th live one).
+            r1 = jnp.minimum((w[0] * live).astype(jnp.int32), live - 1)
+            r2 = jnp.minimum((w[1] * (live - 1)).astype(jnp.int32), jnp.maximum(live - 2, 0))
+            r2 = r2 + (r2 >= r1)
+            rank = jnp.cumsum(alive) - 1
+            i = jnp.argmax(alive & (rank == r1))
+            j = jnp.argmax(alive & (rank == r2))
             a, b = jnp.maximum(pool[i], pool[j]), jnp.minimum(pool[i], pool[j])
             results = jnp.stack([a + b, a - b, a * b, a // jnp.maximum(b, 1)])
             ok_op = allowed & jnp.stack([True, a > b, True, (b > 0) & (a % jnp.maximum(b, 1) == 0)])
-            noise = jax.random.uniform(jax.random.fold_in(k_ops, s), (4,))
-            op = jnp.argmax(jnp.where(ok_op, noise, -1.0))
-            go = (jnp.sum(alive) >= 2) & jnp.any(ok_op)
+            op = jnp.argmax(jnp.where(ok_op, w[2:6], -1.0))
+            go = (live >= 2) & jnp.any(ok_op)
             pool = jnp.where(go, pool.at[i].set(results[op]), pool)
             alive = jnp.where(go, alive.at[j].set(False), alive)
         value = pool[jnp.argmax(alive)]
@@ -255,9 +265,12 @@ class Countdown(Environment):
         return numbers, value, ok
 
     def reset_env(self, key, params: CountdownParams):
-        k_count, k_cand = jax.random.split(key)
-        count = jax.random.randint(k_count, (), self.min_numbers, self.max_numbers + 1)
-        numbers, target, ok = jax.vmap(lambda k: self._candidate(k, count))(jax.random.split(k_cand, self.candidates))
+        # One threefry call; every candidate's words are hashed out of it (environments.hashing).
+        seed = jax.random.bits(key, (3,), jnp.uint32)
+        span = self.max_numbers + self.WORDS_PER_STEP * (self.max_numbers - 1)
+        words = expand_words(seed[:2], (self.candidates, span))
+        count = self.min_numbers + (seed[2] % (self.max_numbers - self.min_numbers + 1)).astype(jnp.int32)
+        numbers, target, ok = jax.vmap(lambda w: self._candidate(w, count))(words)
         first = jnp.where(jnp.any(ok), jnp.argmax(ok), 0)
         target = jnp.where(jnp.any(ok), target[first], jnp.sum(numbers[0]))
         state = CountdownState(time=jnp.int32(0), numbers=numbers[first], count=count,

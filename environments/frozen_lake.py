@@ -37,7 +37,7 @@ import numpy as np
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
-from environments.hashing import lowbias32
+from environments.hashing import expand_words
 
 PLAYER, FROZEN, HOLE, GOAL, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
 DEFAULT_GRID_LOOKUP = {0: "P", 1: "_", 2: "O", 3: "G", 4: "X", 5: "√"}
@@ -91,8 +91,7 @@ def random_words(seed: chex.Array, shape: tuple[int, ...]) -> chex.Array:
     CPU, so one threefry block is drawn and expanded by hashing a counter with it twice, keyed by
     its two words. The words are still a pure function of the key.
     """
-    counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
-    return lowbias32(lowbias32(counter ^ seed[0]) + seed[1])
+    return expand_words(seed, shape)
 
 
 # Worst case, over every set of free cells and every seed cell, of the flood-fill steps needed to

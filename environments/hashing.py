@@ -16,3 +16,12 @@ def lowbias32(x):
     x = x ^ (x >> 15)
     x = x * np.uint32(0x846CA68B)
     return x ^ (x >> 16)
+
+
+def expand_words(seed, shape):
+    """``uint32 [*shape]`` random words from ``seed`` (uint32 [2], one threefry draw), by hashing a
+    counter twice, keyed by the seed's two words (FrozenLake's and Countdown's generators)."""
+    import jax.numpy as jnp
+
+    counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+    return lowbias32(lowbias32(counter ^ seed[0]) + seed[1])
