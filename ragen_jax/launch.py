@@ -5,6 +5,8 @@
         --config.model.path=/models/Qwen2.5-0.5B-Instruct --config.trainer.total_steps=200
     python -m ragen_jax.launch --config configs/frozen_lake.py --config.mode=eval \
         --config.workdir=runs/frozen_lake
+    python -m ragen_jax.launch --config configs/frozen_lake.py --config.mode=export \
+        --config.workdir=runs/frozen_lake   # -> runs/frozen_lake/export: HF safetensors, LoRA merged
 
 Every key of the config is overridable as ``--config.section.key=value``. A bad key or value stops
 the run before anything is compiled, with one message naming the key and the allowed values.
@@ -176,6 +178,10 @@ def main(argv) -> None:
             from ragen_jax.training.evaluate import run_eval
 
             run_eval(spec)
+        elif spec.config.mode == "export":
+            from ragen_jax.training.evaluate import run_export
+
+            run_export(spec)
         else:
             from ragen_jax.training.trainer import train
 

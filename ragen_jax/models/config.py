@@ -29,6 +29,10 @@ def _dtype_name(value: Any, field: str) -> str:
     return jnp.dtype(_DTYPES[name]).name
 
 
+# The projections a LoRA adapter may sit on (attention and MLP; every one by default, as Tunix does).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture + compute knobs of a decoder-only transformer (Qwen2 / Llama family).
@@ -49,6 +53,9 @@ class ModelConfig:
       attention_block_size: queries per block of the causal attention of a whole sequence (no KV
         cache): blocks above the diagonal are skipped, ~half the attention work on long rows;
         0 = one [T, T] masked softmax. Same numbers either way.
+      lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter
+        (`decoder.LoRALinear`: y = x W + (alpha / rank) x A B, A [in, r], B [r, out] starting at 0);
+        the adapters are `nnx.LoRAParam`s, the only weights StarPO and the warm-up train.
     """
 
     vocab_size: int
@@ -73,6 +80,9 @@ class ModelConfig:
     scan_layers: bool = False
     remat: bool = False
     attention_block_size: int = 64
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         # Frozen dataclass: normalise fields through object.__setattr__.
@@ -93,6 +103,13 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; "
                              f"supported: {SUPPORTED_MODEL_TYPES}.")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0 (0 = no adapters), got {self.lora_rank!r}.")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: choose a non-empty subset of "
+                             f"{LORA_TARGETS}.")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not implemented; "

@@ -73,9 +73,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+class LoRALinear(nnx.LoRALinear):
+    """A projection with a low-rank adapter: ``y = x W (+ b) + scale * (x A) B``.
+
+    ``nnx.LoRALinear`` plus the ``alpha / rank`` scale of the LoRA paper. ``A`` [in, r] starts
+    random, ``B`` [r, out] at zero, so the adapted model starts as the base; both are
+    ``nnx.LoRAParam`` in float32 whatever the base's dtype.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, scale: float, **kwargs):
+        super().__init__(d_in, d_out, **kwargs)
+        self.scale = float(scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nnx.Linear.__call__(self, x) + self.scale * self.lora(x)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, name: str = "") -> nnx.Linear:
+    kwargs = dict(use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                  kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+    if cfg.lora_rank and name in cfg.lora_targets:
+        return LoRALinear(d_in, d_out, lora_rank=cfg.lora_rank, scale=cfg.lora_alpha / cfg.lora_rank,
+                          lora_dtype=cfg.compute_dtype, lora_param_dtype=jnp.float32, **kwargs)
+    return nnx.Linear(d_in, d_out, **kwargs)
 
 
 def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -96,10 +116,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, H, K, Hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _linear(cfg, D, H * Hd, cfg.qkv_bias, rngs)
-        self.k_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs)
-        self.v_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs)
-        self.o_proj = _linear(cfg, H * Hd, D, cfg.o_bias, rngs)
+        self.q_proj = _linear(cfg, D, H * Hd, cfg.qkv_bias, rngs, "q_proj")
+        self.k_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs, "k_proj")
+        self.v_proj = _linear(cfg, D, K * Hd, cfg.qkv_bias, rngs, "v_proj")
+        self.o_proj = _linear(cfg, H * Hd, D, cfg.o_bias, rngs, "o_proj")
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope: tuple[jax.Array, jax.Array],
                  cache: KVCache | SharedPrefix | None,
@@ -202,9 +222,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs)
-        self.up_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs)
-        self.down_proj = _linear(cfg, F, D, cfg.mlp_bias, rngs)
+        self.gate_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs, "gate_proj")
+        self.up_proj = _linear(cfg, D, F, cfg.mlp_bias, rngs, "up_proj")
+        self.down_proj = _linear(cfg, F, D, cfg.mlp_bias, rngs, "down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""

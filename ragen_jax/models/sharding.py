@@ -45,6 +45,7 @@ DEFAULT_RULES: tuple[tuple[str, P], ...] = (
     (r"mlp/down_proj/bias$", P(None)),
     (r"norm/scale$", P(None)),  # RMSNorm gains (input_layernorm, post_attention_layernorm, norm)
     (r"lm_head/kernel$", P("fsdp", "tensor")),  # [D, V] vocab-parallel logits
+    (r"lora/lora_(a|b)$", P()),  # LoRA adapters [in, r] / [r, out]: small, replicated
     (r"score/kernel$", P("fsdp", None)),  # value head [D, 1]
     (r"score/bias$", P(None)),
 )

@@ -170,14 +170,22 @@ def init_train_state(
     if reference is not None and not cfg.uses_reference:
         raise ValueError("a reference model was given but no KL term uses it; set starpo.use_kl_loss=True "
                          "or starpo.kl_in_reward=True, or drop the reference.")
-    policy_gd, params, policy_rest = nnx.split(policy, nnx.Param, ...)
+    from ragen_jax.models.lora import has_lora
+
+    lora = has_lora(policy)
+    # With LoRA adapters only they are trained (and hold optimizer state); the base rides in ``rest``.
+    policy_gd, params, policy_rest = nnx.split(policy, nnx.LoRAParam if lora else nnx.Param, ...)
     critic_gd = critic_params = critic_rest = critic_opt = None
     if critic is not None:
         critic_gd, critic_params, critic_rest = nnx.split(critic, nnx.Param, ...)
         critic_opt = make_optimizer(cfg.critic_lr, cfg).init(critic_params)
     ref_gd = ref_params = ref_rest = None
     if cfg.uses_reference:
-        if reference is None:
+        if reference is None and lora:
+            # The frozen base is the reference: the policy's own base weights with zero adapters
+            # (``ref_rest`` None = read ``policy_rest``, so the base is held once).
+            ref_gd, ref_params, ref_rest = policy_gd, jax.tree.map(jnp.zeros_like, params), None
+        elif reference is None:
             ref_gd, ref_params, ref_rest = policy_gd, jax.tree.map(jnp.copy, params), policy_rest
         else:
             ref_gd, ref_params, ref_rest = nnx.split(reference, nnx.Param, ...)
@@ -344,7 +352,7 @@ def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: T
                                                   shared_prefix_len=shared_prefix_len)
         out = {"logp": logp, "entropy": entropy}
         if cfg.uses_reference:
-            ref = nnx.merge(graphdefs.reference, state.ref_params, ref_rest)
+            ref = nnx.merge(graphdefs.reference, state.ref_params, policy_rest if ref_rest is None else ref_rest)
             out["ref_logp"], _, _ = sequence_logprobs(ref, chunk_rows["tokens"], chunk_size=chunk,
                                                       temperature=cfg.scoring_temperature,
                                                       with_entropy=False, shared_prefix_len=shared_prefix_len)

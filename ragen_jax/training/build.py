@@ -39,7 +39,21 @@ def build_model(spec: RunSpec, placement=None):
 
     With a ``placement`` a pretrained checkpoint is read straight into the shards of its mesh (each
     device receives only its slice); the tiny model is small enough to be built whole and placed.
+    With ``model.lora_rank > 0`` the model carries LoRA adapters (``models.lora.add_lora``).
     """
+    tokenizer, cfg, model = _build_base_model(spec, placement)
+    m = spec.config.model
+    if m.lora_rank:
+        # Adapters on the (pretrained) base; only they train (starpo.update.init_train_state).
+        from ragen_jax.models.lora import add_lora
+
+        model = add_lora(model, int(m.lora_rank), float(m.lora_alpha), tuple(m.lora_targets),
+                         seed=int(spec.config.seed) + 3)
+        cfg = model.cfg
+    return tokenizer, cfg, model
+
+
+def _build_base_model(spec: RunSpec, placement=None):
     from flax import nnx
 
     from ragen_jax.models import Decoder

@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-3b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-3B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
     "qwen2.5-7b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-7B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
 }
-MODES = ("train", "eval")
+MODES = ("train", "eval", "export")  # export: the latest checkpoint as an HF model (LoRA merged)
 
 
 class ConfigError(ValueError):

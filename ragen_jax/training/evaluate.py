@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import make_rollout, validation_keys
@@ -120,22 +121,24 @@ def run_eval(spec) -> dict[str, float]:
     cfg = spec.config
     for note in check_eval_workdir(cfg):  # refuses another env's or model's config
         print(f"note: {note}")
+    from ragen_jax.training.trainer import _policy_params, saved_part, with_base
+
     run = setup(spec)
-    params = run.train_state.params
+    params = _policy_params(run.train_state)
     ckpt_dir = Path(cfg.workdir) / "checkpoints"
     step = 0
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
     if ckpt is not None and ckpt.latest_step() is not None:
         try:
             if cfg.eval.checkpoint_step is None:
-                state, _, step, skipped = ckpt.restore_latest_intact(run.train_state, set_aside=False)
+                state, _, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
                 for bad, reason in skipped:
                     print(f"warning: checkpoint {ckpt_dir}/{bad} is damaged and was skipped: {reason}")
             else:
-                state, _, step = ckpt.restore(run.train_state, cfg.eval.checkpoint_step)
+                state, _, step = ckpt.restore(saved_part(run.train_state), cfg.eval.checkpoint_step)
         except CheckpointMismatch as e:
             raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
-        params = state.params
+        params = _policy_params(with_base(state, run.train_state))
         print(f"evaluating checkpoint step {step} from {ckpt_dir}")
     else:
         print(f"no checkpoint in {ckpt_dir}: evaluating the initial model of preset {spec.preset!r}")
@@ -157,3 +160,25 @@ def run_eval(spec) -> dict[str, float]:
         if path is not None:
             print(f"transcripts: {path}")
     return metrics
+
+
+def run_export(spec) -> str:
+    """``config.mode=export``: the policy of the latest checkpoint (adapters merged into the base)
+    as an HF checkpoint in ``<workdir>/export`` (``model.safetensors`` + ``config.json``), which
+    ``model.path`` — and transformers — load like any other; the tokenizer files are not copied."""
+    from ragen_jax.models.lora import export_hf
+    from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
+    from ragen_jax.training.trainer import _policy_params, saved_part, setup, with_base
+
+    cfg = spec.config
+    run = setup(spec)
+    ckpt_dir = Path(cfg.workdir) / "checkpoints"
+    if not ckpt_dir.exists():
+        raise NoIntactCheckpoint(f"{ckpt_dir} does not exist: nothing to export (train first, or set "
+                                 "config.workdir to a run's directory)")
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints)
+    state, _, step, _ = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
+    model = nnx.merge(run.graphdefs.policy, jax.device_get(_policy_params(with_base(state, run.train_state))))
+    out = export_hf(model, Path(cfg.workdir) / "export")
+    print(f"exported checkpoint step {step} to {out}")
+    return str(out)

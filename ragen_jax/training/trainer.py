@@ -40,7 +40,33 @@ class StopTraining(Exception):
 
 
 def _policy_params(train_state):
+    """The policy's whole state for the rollout and the evaluator: with LoRA the trained adapters
+    and the frozen base together (``TrainState.params`` holds the adapters only)."""
+    if _is_lora(train_state):
+        return nnx.merge_state(train_state.params, train_state.rest[0])
     return train_state.params
+
+
+def _is_lora(train_state) -> bool:
+    from ragen_jax.models.lora import has_lora
+
+    return has_lora(train_state.params)
+
+
+def saved_part(train_state):
+    """What a checkpoint holds: everything but a LoRA model's frozen base (``rest[0]``), which is
+    the pretrained checkpoint itself and is read again from ``model.path`` on resume — checkpoints
+    of a LoRA run hold the adapters (and their optimizer state) only."""
+    if not _is_lora(train_state):
+        return train_state
+    return train_state.replace(rest=(None,) + tuple(train_state.rest[1:]))
+
+
+def with_base(saved, fresh):
+    """A restored ``saved_part`` completed with the base of ``fresh`` (this run's initial state)."""
+    if not _is_lora(fresh):
+        return saved
+    return saved.replace(rest=(fresh.rest[0],) + tuple(saved.rest[1:]))
 
 
 def _mi_values(metrics: dict) -> tuple[float | None, float | None, bool]:
@@ -145,14 +171,18 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     _check_env_fits_processes(env, placement)
     mode = spec.starpo.critic_mode
     critic = None
+    # The critic is a plain model (fully trained) even when the policy carries LoRA adapters.
+    critic_cfg = model_cfg.replace(lora_rank=0)
     if mode == "shared":
-        critic = ValueHead(model_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+        critic = ValueHead(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
     elif mode == "separate" and spec.preset == "tiny":
-        critic = Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+        critic = Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
     elif mode == "separate":
+        from ragen_jax.models.lora import merge_lora
+
         # Created in its shards, then started from the same pretrained checkpoint as the policy (spec §5.5).
-        critic = placement.create(lambda: Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 2)))
-        critic.init_trunk_from(model)
+        critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2)))
+        critic.init_trunk_from(merge_lora(model))
     # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
     graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
     for params in (train_state.params, train_state.critic_params):  # a parameter no rule places is an error
@@ -237,7 +267,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
         trim_records(transcripts, start_step if resume else -1)
     if not resume:
         train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
-        ckpt.save(0, train_state, host.meta(0))
+        ckpt.save(0, saved_part(train_state), host.meta(0))
 
     steps, bar = _steps(spec, start_step, show=main)
     base_key = jax.random.key(cfg.seed)
@@ -264,7 +294,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
                 stop_reason = "interrupted by callback"
         # A stopped run always saves its last step, so a resume continues exactly where it ended.
         if step % t.save_every == 0 or step == t.total_steps or stop_reason:
-            ckpt.save(step, train_state, host.meta(step))
+            ckpt.save(step, saved_part(train_state), host.meta(step))
         if bar is not None:
             bar.set_postfix(_progress_fields(metrics))
         if stop_reason:
@@ -347,7 +377,8 @@ def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
     from ragen_jax.training.workdir import explain_mismatch
 
     try:
-        train_state, meta, step, skipped = ckpt.restore_latest_intact(run.train_state)
+        train_state, meta, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state))
+        train_state = with_base(train_state, run.train_state)
     except CheckpointMismatch as e:
         raise CheckpointMismatch(f"{e}. {explain_mismatch(spec.config)}") from None
     if run.placement.is_main:
@@ -366,8 +397,9 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
 
     cfg = spec.config
     if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
-        params, warm_summary = run_warmup(run.rollout, _policy_params(train_state), cfg.warmup,
-                                          log_fn=logger.scalars, progress=cfg.trainer.progress_bar)
+        params, warm_summary = run_warmup(run.rollout, train_state.params, cfg.warmup,
+                                          log_fn=logger.scalars, progress=cfg.trainer.progress_bar,
+                                          frozen=train_state.rest[0] if _is_lora(train_state) else None)
         train_state = train_state.replace(params=params)
         if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
             train_state = train_state.replace(ref_params=jax.tree.map(jnp.copy, params))

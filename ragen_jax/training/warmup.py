@@ -251,17 +251,25 @@ def shared_prefix_length(tokens: np.ndarray, loss_mask: np.ndarray) -> int:
 
 
 def make_bc_step(graphdef, tx: optax.GradientTransformation, prefix_len: int = 0) -> Callable:
-    """``step(params, opt_state, tokens, loss_mask, valid_mask) -> (params, opt_state, metrics)`` (jitted)."""
+    """``step(params, opt_state, tokens, loss_mask, valid_mask, frozen=None) -> (params, opt_state,
+    metrics)`` (jitted). ``frozen``: state merged in but not trained (a LoRA model's base)."""
 
     @jax.jit
-    def step(params, opt_state, tokens, loss_mask, valid_mask):
-        (loss, acc), grads = jax.value_and_grad(
-            lambda p: bc_loss(graphdef, p, tokens, loss_mask, valid_mask, prefix_len), has_aux=True)(params)
+    def step(params, opt_state, tokens, loss_mask, valid_mask, frozen=None):
+        def loss_of(p):
+            return bc_loss(graphdef, _with_frozen(p, frozen), tokens, loss_mask, valid_mask, prefix_len)
+
+        (loss, acc), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "token_accuracy": acc, "grad_norm": optax.global_norm(grads)}
 
     return step
+
+
+def _with_frozen(params, frozen):
+    """The whole model state: the trained ``params`` and the ``frozen`` rest (None: nothing frozen)."""
+    return params if frozen is None else nnx.merge_state(params, frozen)
 
 
 def first_turn_rollout(rollout: Rollout) -> Rollout:
@@ -309,8 +317,11 @@ def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Cal
 
 
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
-               progress: bool = True) -> tuple[Any, dict]:
+               progress: bool = True, frozen=None) -> tuple[Any, dict]:
     """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
+
+    ``frozen``: model state merged with ``params`` but not trained (a LoRA model's base weights:
+    then only the adapters in ``params`` learn).
 
     Two phases share one AdamW optimiser:
 
@@ -340,7 +351,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
     t0 = time.time()
     warmup_cfg = section_from_dict(WarmupConfig, "warmup", warmup_cfg)
-    phases, check = _warmup_phases(rollout, params, warmup_cfg)
+    phases, check = _warmup_phases(rollout, _with_frozen(params, frozen), warmup_cfg)
     conv_steps = int(warmup_cfg.steps)
     total = conv_steps + int(warmup_cfg.single_turn_steps)
     # The learning rate is set on the host before every step: where phase 2's decay starts is only
@@ -359,7 +370,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
         decays = name == "conversation" or not conv_steps
         lr_at = _phase_lr(warmup_cfg.lr, warm, run.done if decays else total, n_steps)
         _run_phase(run, rollout, tx, name, n_steps, demos, lr_at, warmup_cfg,
-                   check=check if name == "single_turn" else None)
+                   check=check if name == "single_turn" else None, frozen=frozen)
         if run.bar is not None and name == "single_turn":
             run.bar.total = run.done + conv_steps  # the unused first-turn steps are not run
             run.bar.refresh()
@@ -423,7 +434,7 @@ class _BCRun:
 
 
 def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos, lr_at, warmup_cfg,
-               check=None) -> None:
+               check=None, frozen=None) -> None:
     """Up to ``n_steps`` BC steps on ``demos`` (shuffled, batch by batch); with ``check`` (phase 1
     with a reading target) the phase ends once held-out board reading reaches the target."""
     (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos, rollout.per_turn_rows)
@@ -445,7 +456,7 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
         batch, lr = _on_mesh(rollout.placement, (tokens[idx], loss_mask[idx], valid_mask[idx]),
                              jnp.asarray(lr_at(run.done), jnp.float32))
         run.opt_state[1].hyperparams["learning_rate"] = lr
-        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, *batch)
+        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, *batch, frozen)
         run.done += 1
         if run.done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
             m = rollout.placement.fetch(m) if rollout.placement is not None else m
@@ -455,7 +466,7 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
         if run.bar is not None:
             run.bar.update(1)
         if check is not None and ((i + 1) % check_every == 0 or i + 1 == n_steps):
-            reading = check(run.params)
+            reading = check(_with_frozen(run.params, frozen))
             run.summary["warmup/reading_accuracy"] = reading
             _report(run, {"warmup/reading_accuracy": reading}, phase=name, reading=f"{reading:.2f}")
             if reading >= target:
