@@ -175,7 +175,7 @@ def resolve(config: ConfigDict) -> RunSpec:
     starpo = _build("starpo", StarPOConfig, config.starpo.to_dict())
     filt = _build("filter", FilterConfig, config.filter.to_dict())
     collapse = _build("collapse", CollapseConfig, config.collapse.to_dict())
-    if starpo.logprob_temperature is None:
+    if starpo.logprob_temperature is None and rollout.temperature > 0:  # 0 is refused below
         # Score the ratio's log-probs at the temperature the rollout sampled at (verl's convention).
         starpo = dataclasses.replace(starpo, logprob_temperature=float(rollout.temperature))
     if collapse.max_reasoning_tokens is None:
