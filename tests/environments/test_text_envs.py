@@ -174,3 +174,14 @@ def test_webshop_and_alfworld_adapters_on_stand_ins():
     assert (reward, done, info["success"]) == (1.0, True, True)
     with pytest.raises(ValueError, match="needs config.env.factory"):
         WebShop()
+
+
+def test_math_qa_reads_parquet_too(tmp_path):
+    import datasets
+
+    rows = generate_problems(20, seed=3)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "qa.parquet"))
+    env = MathQA(data_path=str(tmp_path / "qa.parquet"))
+    assert len(env.rows) == sum(r["split"] == "train" for r in rows)
+    env.reset(0)
+    assert env.step(env.answer)[1] == 1.0
