@@ -456,7 +456,8 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
         batch, lr = _on_mesh(rollout.placement, (tokens[idx], loss_mask[idx], valid_mask[idx]),
                              jnp.asarray(lr_at(run.done), jnp.float32))
         run.opt_state[1].hyperparams["learning_rate"] = lr
-        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, *batch, frozen)
+        extra = {} if frozen is None else {"frozen": frozen}  # a LoRA model's base rides along, untrained
+        run.params, run.opt_state, m = step_fn(run.params, run.opt_state, *batch, **extra)
         run.done += 1
         if run.done % warmup_cfg.log_every == 0 or i + 1 == n_steps:
             m = rollout.placement.fetch(m) if rollout.placement is not None else m
