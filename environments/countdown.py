@@ -279,11 +279,9 @@ class Countdown(Environment):
 
     def parse_action(self, text: chex.Array, n: chex.Array):
         """An expression's bytes -> (its reading: well-formed, exact value, literals sorted; True)."""
-        first, end = tm.strip_bounds(text, n)
         width = text.shape[0]
-        idx = jnp.arange(width)
-        body = jnp.where(idx < end - first, text[jnp.clip(first + idx, 0, width - 1)], 0).astype(jnp.uint8)
-        kinds, values, count, bad = tokenize(body, end - first)
+        body, length = tm.strip(text, n)
+        kinds, values, count, bad = tokenize(body, length)
         ok, num, den, lits, nl = evaluate(kinds, values, count)
         big = jnp.int32(1 << 30)
         lits = jnp.sort(jnp.where(jnp.arange(width) < nl, lits, big))[: self.max_numbers + 1]

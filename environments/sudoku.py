@@ -225,12 +225,8 @@ class Sudoku(Environment):
         ``row``/``col`` are 0-based when ``kind`` is 0 (in range); the raw numbers otherwise.
         Every part reaches the env (the original passes all of them; the env scores bad ones).
         """
-        first, end = tm.strip_bounds(text, n)
-        width = text.shape[0]
-        idx = jnp.arange(width)
-        src = jnp.clip(first + idx, 0, width - 1)
-        body = jnp.where(idx < end - first, tm.lower(text[src]), 0).astype(jnp.uint8)
-        scan = tm.Scanner(body, end - first)
+        body, length = tm.strip(text, n)
+        scan = tm.Scanner(tm.lower(body), length)
         named = scan.contains(b"place") | scan.contains(b"at")
         found, values = jnp.bool_(False), jnp.zeros((3,), jnp.int32)
         for i, pattern in enumerate(PATTERNS):
@@ -464,18 +460,17 @@ class Sudoku(Environment):
 
     def render_pieces(self, state: SudokuState, params=None, fmt: str | None = None):
         fmt = self.check_format(fmt)
-        grid = self._grid_section(state)
         if fmt == "simple":
             return render.compact(*self._simple_section(state))
         head = self._const(RULE + "\nSUDOKU PUZZLE\n" + RULE + "\n")
-        parts = [head, grid, self._const("\n\n" + LEGEND), self._feedback_section(state)]
+        parts = [head, self._grid_section(state), self._const("\n\n" + LEGEND), self._feedback_section(state)]
         if fmt == "with_feedback":
             parts.append(self._extras_section(state))
         return render.compact(*render.cat_sections(*parts))
 
     def _simple_section(self, state: SudokuState):
         """The original's ``format_grid_simple``: numbers or dots, ``| `` between boxes, dashed lines."""
-        n, k = self.n, self.k
+        n = self.n
         t = self._table
         last_ids = np.asarray([t.id(".")] + [t.id(str(v)) for v in range(1, n + 1)])
         mid_ids = np.asarray([t.id(". ")] + [t.id(f"{v} ") for v in range(1, n + 1)])

@@ -32,13 +32,15 @@ def is_space(text: chex.Array) -> chex.Array:
     return jnp.any(text[..., None] == jnp.asarray(SPACES), axis=-1)
 
 
-def strip_bounds(text: chex.Array, n: chex.Array) -> tuple[chex.Array, chex.Array]:
-    """``(first, end)`` of ``text[:n].strip()`` (ASCII spaces): the stripped text is ``text[first:end]``."""
-    idx = jnp.arange(text.shape[0])
+def strip(text: chex.Array, n: chex.Array) -> tuple[chex.Array, chex.Array]:
+    """``text[:n].strip()`` (ASCII spaces) moved to the front: ``(uint8 [L] zero-padded, length)``."""
+    width = text.shape[0]
+    idx = jnp.arange(width)
     content = ~is_space(text) & (idx < n)
-    first = jnp.where(jnp.any(content), jnp.argmax(content), 0)
-    end = jnp.where(jnp.any(content), jnp.max(jnp.where(content, idx + 1, 0)), 0)
-    return first.astype(jnp.int32), end.astype(jnp.int32)
+    first = jnp.where(jnp.any(content), jnp.argmax(content), 0).astype(jnp.int32)
+    end = jnp.where(jnp.any(content), jnp.max(jnp.where(content, idx + 1, 0)), 0).astype(jnp.int32)
+    body = jnp.where(idx < end - first, text[jnp.clip(first + idx, 0, width - 1)], 0).astype(jnp.uint8)
+    return body, end - first
 
 
 class Scanner:

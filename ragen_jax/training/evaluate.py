@@ -114,14 +114,12 @@ def run_eval(spec) -> dict[str, float]:
     """
     from ragen_jax.training.checkpoint import Checkpointer
     from ragen_jax.training.trainer import setup
-
-    from ragen_jax.training.checkpoint import CheckpointMismatch
-    from ragen_jax.training.workdir import check_eval_workdir, explain_mismatch
+    from ragen_jax.training.workdir import check_eval_workdir
 
     cfg = spec.config
     for note in check_eval_workdir(cfg):  # refuses another env's or model's config
         print(f"note: {note}")
-    from ragen_jax.training.trainer import _policy_params, saved_part, with_base
+    from ragen_jax.training.trainer import _policy_params
 
     run = setup(spec)
     params = _policy_params(run.train_state)
@@ -129,16 +127,7 @@ def run_eval(spec) -> dict[str, float]:
     step = 0
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        try:
-            if cfg.eval.checkpoint_step is None:
-                state, _, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
-                for bad, reason in skipped:
-                    print(f"warning: checkpoint {ckpt_dir}/{bad} is damaged and was skipped: {reason}")
-            else:
-                state, _, step = ckpt.restore(saved_part(run.train_state), cfg.eval.checkpoint_step)
-        except CheckpointMismatch as e:
-            raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
-        params = _policy_params(with_base(state, run.train_state))
+        params, step = _checkpointed_policy(cfg, run, ckpt, cfg.eval.checkpoint_step)
         print(f"evaluating checkpoint step {step} from {ckpt_dir}")
     else:
         print(f"no checkpoint in {ckpt_dir}: evaluating the initial model of preset {spec.preset!r}")
@@ -162,13 +151,32 @@ def run_eval(spec) -> dict[str, float]:
     return metrics
 
 
+def _checkpointed_policy(cfg, run, ckpt, step=None):
+    """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
+    named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
+    from ragen_jax.training.checkpoint import CheckpointMismatch
+    from ragen_jax.training.trainer import _policy_params, saved_part, with_base
+    from ragen_jax.training.workdir import explain_mismatch
+
+    try:
+        if step is None:
+            state, _, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
+            for bad, reason in skipped:
+                print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped: {reason}")
+        else:
+            state, _, step = ckpt.restore(saved_part(run.train_state), step)
+    except CheckpointMismatch as e:
+        raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
+    return _policy_params(with_base(state, run.train_state)), step
+
+
 def run_export(spec) -> str:
     """``config.mode=export``: the policy of the latest checkpoint (adapters merged into the base)
     as an HF checkpoint in ``<workdir>/export`` (``model.safetensors`` + ``config.json``), which
     ``model.path`` — and transformers — load like any other; the tokenizer files are not copied."""
     from ragen_jax.models.lora import export_hf
     from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
-    from ragen_jax.training.trainer import _policy_params, saved_part, setup, with_base
+    from ragen_jax.training.trainer import setup
 
     cfg = spec.config
     run = setup(spec)
@@ -177,8 +185,9 @@ def run_export(spec) -> str:
         raise NoIntactCheckpoint(f"{ckpt_dir} does not exist: nothing to export (train first, or set "
                                  "config.workdir to a run's directory)")
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints)
-    state, _, step, _ = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
-    model = nnx.merge(run.graphdefs.policy, jax.device_get(_policy_params(with_base(state, run.train_state))))
+    params, step = _checkpointed_policy(cfg, run, ckpt)
+    ckpt.close()
+    model = nnx.merge(run.graphdefs.policy, jax.device_get(params))
     out = export_hf(model, Path(cfg.workdir) / "export")
     print(f"exported checkpoint step {step} to {out}")
     return str(out)
