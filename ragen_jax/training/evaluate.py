@@ -48,6 +48,13 @@ class Evaluator:
 
     def __call__(self, params, step: int, jsonl_path: str | os.PathLike | None = None) -> dict[str, float]:
         """Run every validation puzzle; returns ``val/*`` metrics and optionally writes transcripts."""
+        return self.evaluate(params, step, jsonl_path)[0]
+
+    def evaluate(self, params, step: int, jsonl_path: str | os.PathLike | None = None
+                 ) -> tuple[dict[str, float], np.ndarray]:
+        """``(val/* metrics, per-puzzle success [num_episodes])``: each puzzle's success averaged over
+        its ``pass_k`` attempts — the same puzzles in every run, so two runs (or two steps) compare
+        puzzle by puzzle (``ragen_jax.compare``'s paired tests)."""
         t0 = time.time()
         k = int(self.eval_cfg.pass_k)
         rows = self.groups_per_chunk * k
@@ -84,7 +91,7 @@ class Evaluator:
             with open(path, "a", encoding="utf-8") as f:
                 for r in records[:n]:
                     f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        return metrics
+        return metrics, s.reshape(-1, k).mean(axis=1)
 
     def _records(self, traj, step: int, first_puzzle: int) -> list[dict]:
         k = int(self.eval_cfg.pass_k)

@@ -224,7 +224,7 @@ class HostState:
         early = EarlyStop(baseline_steps=t.reward_collapse_baseline_steps, window=t.reward_collapse_window,
                           ratio=t.reward_collapse_ratio, mi_ratio=t.mi_collapse_ratio,
                           mi_window=t.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps)
-        history = {"train": [], "val": [], "quadrant": [], "warmup_val": None,
+        history = {"train": [], "val": [], "val_puzzles": [], "timing": [], "quadrant": [], "warmup_val": None,
                    "title": f"{spec.env_name} / {spec.preset}"}
         return cls(early, history, {})
 
@@ -408,9 +408,9 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
         logger.scalars(0, warm_summary)
         host.summary.update(warm_summary)
     if evaluator is not None and cfg.trainer.eval_before_train:
-        val = evaluator(_policy_params(train_state), 0, transcripts)
+        val, puzzles = evaluator.evaluate(_policy_params(train_state), 0, transcripts)
         logger.scalars(0, val)
-        host.history["val"].append([0, val["val/success"]])
+        _record_validation(host, 0, val, puzzles)
         host.history["warmup_val"] = val["val/success"]
         host.summary["val/success_before_rl"] = val["val/success"]
     return train_state
@@ -435,6 +435,8 @@ def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
                                      reward_std=metrics["train/in_group_reward_std"],
                                      episode_return=metrics["train/return"], mi=mi))
     host.history["train"].append([step, metrics["train/success"]])
+    host.history.setdefault("timing", []).append(
+        [step, metrics["timing_s/rollout"], metrics["timing_s/update"], metrics.get("rollout/filter_kept_ratio", 1.0)])
     if computed and ce is not None:
         host.history["quadrant"].append([step, float(mi), float(ce)])
 
@@ -462,13 +464,19 @@ def _validate(spec: RunSpec, evaluator, train_state, step: int, host: HostState,
               transcripts) -> str | None:
     """Validation on the fixed puzzles; returns a stop reason when ``trainer.stop_on_success`` is met."""
     threshold = spec.config.trainer.stop_on_success
-    val = evaluator(_policy_params(train_state), step, transcripts)
+    val, puzzles = evaluator.evaluate(_policy_params(train_state), step, transcripts)
     logger.scalars(step, val)
     metrics.update(val)
-    host.history["val"].append([step, val["val/success"]])
+    _record_validation(host, step, val, puzzles)
     if threshold and val["val/success"] >= threshold:
         return f"validation success {val['val/success']:.3f} >= {threshold}"
     return None
+
+
+def _record_validation(host: HostState, step: int, val: dict, puzzles: np.ndarray) -> None:
+    """The validation curve, and each puzzle's success (what paired comparisons of runs need)."""
+    host.history["val"].append([step, val["val/success"]])
+    host.history.setdefault("val_puzzles", []).append([step, [float(x) for x in puzzles]])
 
 
 def _early_stop_reason(spec: RunSpec, host: HostState, metrics: dict) -> str | None:
