@@ -21,6 +21,7 @@ Cloud TPU), name the coordinator:
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
@@ -92,6 +93,22 @@ def _load_config(path: str):
     raise ValueError(f"config file {path!r} could not be loaded ({where}): {type(cause).__name__}: {cause}")
 
 
+def unknown_key_message(cfg, dotted: str) -> str | None:
+    """A message naming the first part of ``dotted`` (``"filter.vale"``) that ``cfg`` has no key
+    for, the closest keys and the allowed ones; None when the key exists."""
+    node, walked = cfg, []
+    for part in dotted.split("."):
+        keys = list(node.keys()) if hasattr(node, "keys") else []
+        if part not in keys:
+            where = ".".join(walked) or "<top level>"
+            close = difflib.get_close_matches(part, keys, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            return (f"unknown config key '{dotted}': section '{where}' has no key '{part}'.{hint}\n"
+                    f"Allowed keys in '{where}': {', '.join(sorted(keys))}")
+        node, walked = node[part], walked + [part]
+    return None
+
+
 def _explain_unknown_override(argv: list[str]) -> str | None:
     """A clearer message than absl's for ``--config.a.b=...`` naming a key that does not exist."""
     path = _config_path(argv)
@@ -99,16 +116,9 @@ def _explain_unknown_override(argv: list[str]) -> str | None:
         return None
     cfg = _load_config(path)
     for dotted in _override_keys(argv):
-        node, walked = cfg, []
-        for part in dotted.split("."):
-            keys = list(node.keys()) if hasattr(node, "keys") else []
-            if part not in keys:
-                where = ".".join(walked) or "<top level>"
-                close = difflib.get_close_matches(part, keys, n=3)
-                hint = f" Did you mean {', '.join(close)}?" if close else ""
-                return (f"unknown config key '{dotted}': section '{where}' has no key '{part}'.{hint}\n"
-                        f"Allowed keys in '{where}': {', '.join(sorted(keys))}")
-            node, walked = node[part], walked + [part]
+        message = unknown_key_message(cfg, dotted)
+        if message:
+            return message
     return None
 
 
@@ -146,33 +156,56 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
                                process_id=process_id)
 
 
-def main(argv) -> None:
-    del argv
+def start(config) -> None:
+    """What every command does before building anything: quiet logs, the persistent compilation
+    cache, the notes on replaced keys, joining a multi-process run."""
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax reports every save at INFO
-    if _CONFIG.value is None:
-        print("Configuration error: --config is required, e.g. --config configs/frozen_lake.py "
-              "(configs/sokoban.py, configs/bandit.py)", file=sys.stderr)
-        sys.exit(2)
-    cache = _CONFIG.value.get("compilation_cache_dir")
+    cache = config.get("compilation_cache_dir")
     if cache:
         # Compiled XLA programs persist across runs: a second run (or a resume) skips compilation.
         import jax
 
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from ragen_jax.training.configuration import ConfigError, resolve
-
-    for note in apply_exclusive_overrides(_CONFIG.value, _ARGV):
+    for note in apply_exclusive_overrides(config, _ARGV):
         print(f"note: {note}")
-
     if _DISTRIBUTED.value:
         initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Errors a user can fix (a config key, a checkpoint that does not fit, a model file) end the
+    command with one line saying what and how (exit status 2), not a traceback."""
     from ragen_jax.models.loading import ModelFileError
     from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
+    from ragen_jax.training.configuration import ConfigError
 
     try:
+        yield
+    except ConfigError as e:
+        print(f"Configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (CheckpointMismatch, NoIntactCheckpoint) as e:
+        print(f"Checkpoint error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ModelFileError as e:
+        print(f"Model file error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv) -> None:
+    del argv
+    if _CONFIG.value is None:
+        print("Configuration error: --config is required, e.g. --config configs/frozen_lake.py "
+              "(configs/sokoban.py, configs/bandit.py)", file=sys.stderr)
+        sys.exit(2)
+    start(_CONFIG.value)
+    from ragen_jax.training.configuration import resolve
+
+    with user_errors():
         spec = resolve(_CONFIG.value)
         if spec.config.mode == "eval":
             from ragen_jax.training.evaluate import run_eval
@@ -186,15 +219,6 @@ def main(argv) -> None:
             from ragen_jax.training.trainer import train
 
             train(spec)
-    except ConfigError as e:
-        print(f"Configuration error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (CheckpointMismatch, NoIntactCheckpoint) as e:
-        print(f"Checkpoint error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except ModelFileError as e:
-        print(f"Model file error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -208,7 +232,9 @@ def _config_path(argv: list[str]) -> str | None:
 _ARGV: list[str] = []
 
 
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None, main=main) -> None:
+    """Parse ``argv`` (``--config FILE --config.a.b=v ...``, every error one clear message) and
+    call ``main`` (this module's: train / eval / export; ``ragen_jax.compare`` passes its own)."""
     argv = list(sys.argv if argv is None else argv)
     _ARGV[:] = argv
     path = _config_path(argv)

@@ -149,6 +149,8 @@ class WarmupConfig:
     states, checked every ``check_every`` steps), then ``steps`` on whole expert conversations.
     ``num_states`` distinct start states to imitate (0 = a fresh one per episode); ``action_noise``
     the fraction of expert turns replaced by a random action. Both step counts 0 = no warm-up.
+    ``cache_dir``: keep the warm-up's result there and reuse it in every run whose warm-up would be
+    the same (``training.warmup_cache``; None = always run it).
     """
 
     steps: int = 0
@@ -162,6 +164,7 @@ class WarmupConfig:
     action_noise: float = 0.0
     seed: int = 1
     log_every: int = 10
+    cache_dir: Optional[str] = None
 
     def __post_init__(self):
         s = "warmup"

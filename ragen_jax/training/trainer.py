@@ -392,14 +392,24 @@ def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
 
 
 def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostState, evaluator, logger, transcripts):
-    """A new run: behaviour cloning (when configured), then the "after warm-up" validation at step 0."""
+    """A new run: behaviour cloning (when configured; restored when ``warmup.cache_dir`` holds this
+    config's), then the "after warm-up" validation at step 0."""
     from ragen_jax.training.warmup import run_warmup
+    from ragen_jax.training.warmup_cache import WarmupCache
 
     cfg = spec.config
-    if cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0:
+    warms = cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0
+    cache = WarmupCache(cfg.warmup.cache_dir, cfg) if warms and cfg.warmup.cache_dir else None
+    cached = cache.load(train_state.params) if cache is not None else None
+    if cached is not None:
+        params, warm_summary = cached.params, cached.summary
+        if run.placement.is_main:
+            print(f"warm-up restored from {cache.path}")
+    elif warms:
         params, warm_summary = run_warmup(run.rollout, train_state.params, cfg.warmup,
                                           log_fn=logger.scalars, progress=cfg.trainer.progress_bar,
                                           frozen=train_state.rest[0] if _is_lora(train_state) else None)
+    if warms:
         train_state = train_state.replace(params=params)
         if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
             train_state = train_state.replace(ref_params=jax.tree.map(jnp.copy, params))
@@ -407,12 +417,18 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
         train_state = run.placement.put(train_state, run.state_shardings)
         logger.scalars(0, warm_summary)
         host.summary.update(warm_summary)
+    validation = None
     if evaluator is not None and cfg.trainer.eval_before_train:
-        val, puzzles = evaluator.evaluate(_policy_params(train_state), 0, transcripts)
+        validation = cached.validation if cached is not None else None
+        if validation is None:
+            validation = evaluator.evaluate(_policy_params(train_state), 0, transcripts)
+        val, puzzles = validation
         logger.scalars(0, val)
         _record_validation(host, 0, val, puzzles)
         host.history["warmup_val"] = val["val/success"]
         host.summary["val/success_before_rl"] = val["val/success"]
+    if cache is not None and (cached is None or (validation is not None and cached.validation is None)):
+        cache.save(train_state.params, warm_summary, validation, cached.stored if cached is not None else None)
     return train_state
 
 

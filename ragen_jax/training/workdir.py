@@ -33,6 +33,7 @@ RESUME_SAFE_KEYS = (
     "trainer.save_every", "trainer.transcript_every", "trainer.keep_checkpoints", "trainer.progress_bar",
     "trainer.resume", "trainer.overwrite", "trainer.stop_on_success", "trainer.eval_before_train",
     "eval.write_transcripts", "eval.checkpoint_step", "mode", "workdir", "compilation_cache_dir",
+    "warmup.cache_dir",  # where a warm-up is kept, not what it computes
     # A checkpoint restores onto any mesh (orbax reshards it), so a run may resume on other hardware.
     "mesh.data", "mesh.fsdp", "mesh.tensor",
 )

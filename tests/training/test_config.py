@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from configs import base, bandit, frozen_lake, sokoban
+from configs import bandit, base, frozen_lake
+from configs import sokoban_ragen as sokoban  # RAGEN's defaults
 from ragen_jax.training.configuration import ConfigError, resolve
 
 ROOT = Path(__file__).resolve().parents[2]

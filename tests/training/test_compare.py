@@ -1,0 +1,170 @@
+"""``ragen_jax.compare``: variants, the statistics against hand-worked values, the report against a
+NumPy re-derivation, and a real comparison whose runs share one cached warm-up."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from configs import frozen_lake
+from ragen_jax import compare as cmp
+from ragen_jax.training.configuration import ConfigError
+
+
+def test_parse_variants_labels_joins_and_types():
+    vs = cmp.parse_variants("off:filter.value=1.0+filter.include_zero=true, filter.strategy=top_k,"
+                            "env.dim_room=(5, 5)")
+    assert [v.label for v in vs] == ["off", "filter.strategy=top_k", "env.dim_room=(5, 5)"]
+    assert vs[2].overrides == (("env.dim_room", (5, 5)),)
+    assert vs[0].overrides == (("filter.value", 1.0), ("filter.include_zero", True))
+    assert vs[1].overrides == (("filter.strategy", "top_k"),)
+    assert cmp.parse_variants("a:x.y=3")[0].overrides == (("x.y", 3),)
+    with pytest.raises(ConfigError, match="not key=value"):
+        cmp.parse_variants("filter.value")
+    with pytest.raises(ConfigError, match="same label"):
+        cmp.parse_variants("a:filter.value=1.0,a:filter.value=0.9")
+    with pytest.raises(ConfigError, match="names no variant"):
+        cmp.parse_variants(" , ")
+
+
+def test_overrides_name_unknown_keys_and_bad_values():
+    cfg = frozen_lake.get_config()
+    cmp.apply_overrides(cfg, [("filter.value", 0.5), ("filter.strategy", "min_p")])
+    assert (cfg.filter.value, cfg.filter.strategy) == (0.5, "min_p")
+    with pytest.raises(ConfigError, match=r"unknown config key 'filter.vale'.*Did you mean value"):
+        cmp.apply_overrides(cfg, [("filter.vale", 0.5)])
+    with pytest.raises(ConfigError, match="filter.value='abc'"):
+        cmp.apply_overrides(cfg, [("filter.value", "abc")])
+    # A bad strategy name is refused when the run configs are resolved, before anything runs.
+    with pytest.raises(ConfigError, match="top_q"):
+        cmp.run_configs(frozen_lake.get_config(), cmp.parse_variants("filter.strategy=top_q"), 1,
+                        cmp.Path("/tmp/unused"))
+
+
+def test_paired_test_hand_worked():
+    # Six puzzles, all better by 1: Wilcoxon's exact two-sided p = 2 / 2^6 (every sign positive).
+    a, b = np.ones(6), np.zeros(6)
+    t = cmp.paired_test(a, b)
+    assert t["diff"] == 1.0 and t["se"] == 0.0 and t["differing"] == 6
+    assert t["p"] == pytest.approx(2 / 64)
+    # Ties are dropped: the same six plus four equal puzzles give the same p.
+    t = cmp.paired_test(np.r_[a, 0.5 * np.ones(4)], np.r_[b, 0.5 * np.ones(4)])
+    assert t["p"] == pytest.approx(2 / 64) and t["differing"] == 6 and t["puzzles"] == 10
+    # Differences +1, +1, -1 (ranks tie at 2): W+ = 4 of 6; exact p = P(|W - 3| >= 1) = 6/8.
+    t = cmp.paired_test([1, 1, 0, 0.5], [0, 0, 1, 0.5])
+    assert t["diff"] == pytest.approx(0.25)
+    assert t["se"] == pytest.approx(np.std([1, 1, -1, 0], ddof=1) / 2)
+    assert 0.5 < t["p"] <= 1.0
+    assert cmp.paired_test(np.ones(5), np.ones(5))["p"] == 1.0
+    with pytest.raises(ConfigError, match="different puzzle sets"):
+        cmp.paired_test(np.ones(5), np.ones(4))
+    m, se = cmp.mean_se([0.5, 0.7, 0.9])
+    assert m == pytest.approx(0.7) and se == pytest.approx(0.2 / math.sqrt(3))
+
+
+def _fake_run(path, seed, puzzles_by_step, timing):
+    h = {"val": [[s, float(np.mean(p))] for s, p in puzzles_by_step],
+         "val_puzzles": [[s, list(map(float, p))] for s, p in puzzles_by_step],
+         "timing": timing, "train": [], "quadrant": []}
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({"summary": {"steps": puzzles_by_step[-1][0]},
+                                                   "stop_reason": None, "history": h}))
+
+
+def test_report_matches_numpy(tmp_path):
+    rng = np.random.default_rng(0)
+    warm = (rng.random(20) < 0.5).astype(float)
+    variants = cmp.parse_variants("off:filter.value=1.0,on:filter.value=0.9")
+    finals, times = {}, {}
+    for vi, v in enumerate(variants):
+        for seed in range(3):
+            final = (rng.random(20) < 0.5 + 0.2 * vi).astype(float)
+            finals[v.label, seed] = final
+            # step, rollout s, update s, kept: the first step compiles (slow) and is left out.
+            timing = [[1, 9.0, 9.0, 1.0]] + [[s, 1.0 + seed, 2.0 - vi, 1.0 - 0.5 * vi] for s in range(2, 5)]
+            times[v.label, seed] = (1.0 + seed) + (2.0 - vi)
+            _fake_run(tmp_path / v.slug / f"seed{seed}", seed, [(0, warm), (4, final)], timing)
+    report = cmp.write_report(tmp_path, variants, 3)
+    rows = {r["variant"]: r for r in report["rows"]}
+    for label in ("off", "on"):
+        fin = [finals[label, s].mean() for s in range(3)]
+        assert rows[label]["final"][0] == pytest.approx(np.mean(fin))
+        assert rows[label]["final"][1] == pytest.approx(np.std(fin, ddof=1) / np.sqrt(3))
+        assert rows[label]["step_s"][0] == pytest.approx(np.mean([times[label, s] for s in range(3)]))
+        per_puzzle = np.mean([finals[label, s] for s in range(3)], axis=0)
+        assert rows[label]["vs_warmup"]["diff"] == pytest.approx((per_puzzle - warm).mean())
+    off = np.mean([finals["off", s] for s in range(3)], axis=0)
+    on = np.mean([finals["on", s] for s in range(3)], axis=0)
+    assert rows["off"]["vs_baseline"] is None
+    assert rows["on"]["vs_baseline"]["diff"] == pytest.approx((on - off).mean())
+    assert rows["on"]["step_time_saved"] == pytest.approx(1 - 3.0 / 4.0)  # (2+1) vs (2+2) s on average
+    assert rows["on"]["kept"][0] == pytest.approx((1.0 + 3 * 0.5) / 4)
+    text = (tmp_path / "comparison.md").read_text()
+    assert "| `on` | 3 | 4 |" in text and "| +25% |" in text
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+    with pytest.raises(ConfigError, match="not a variant"):
+        cmp.summarize(cmp.collect(tmp_path, variants, 3), baseline="nope")
+
+
+def _base_config():
+    c = frozen_lake.get_config()
+    c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                             head_dim=16))
+    c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
+                          max_seq_len=400))
+    c.starpo.mini_batch_size = 4
+    c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
+    c.warmup.update(dict(single_turn_steps=2, steps=2, batch_size=4, num_states=4, heldout_states=8))
+    c.eval.num_episodes = 4
+    c.eval.write_transcripts = False
+    c.trainer.update(dict(total_steps=2, eval_every=2, save_every=2, transcript_every=0, progress_bar=False))
+    c.compilation_cache_dir = ""
+    return c
+
+
+def test_comparison_shares_one_warmup_and_resumes(tmp_path, monkeypatch):
+    from ragen_jax.training import trainer, warmup
+    from ragen_jax.training.logging import read_scalars
+
+    calls = []
+    real = warmup.run_warmup
+    monkeypatch.setattr(warmup, "run_warmup", lambda *a, **k: calls.append(1) or real(*a, **k))
+    variants = cmp.parse_variants("off:filter.value=1.0+filter.include_zero=true,top-k:filter.strategy=top_k"
+                                  "+filter.value=0.5")
+    out = tmp_path / "cmp"
+    report = cmp.compare(_base_config(), variants, 2, out)
+    assert len(calls) == 1  # four runs, one behaviour cloning
+    summaries = {(v.slug, s): json.loads((out / v.slug / f"seed{s}" / "summary.json").read_text())
+                 for v in variants for s in range(2)}
+    first = summaries["off", 0]
+    assert "warmup/from_cache" not in first["summary"]
+    for key, saved in summaries.items():
+        if key != ("off", 0):
+            assert saved["summary"]["warmup/from_cache"] == 1.0
+            assert saved["summary"]["warmup/final_loss"] == first["summary"]["warmup/final_loss"]
+        # The same validation before RL everywhere (the warm-up's), puzzle by puzzle.
+        assert saved["history"]["val_puzzles"][0] == first["history"]["val_puzzles"][0]
+    # Seeds differ after the warm-up: the two seeds' rollouts are not the same.
+    t0 = summaries["off", 0]["history"]["train"]
+    t1 = summaries["off", 1]["history"]["train"]
+    assert len(t0) == len(t1) == 2
+    assert [len(r["curve"]) for r in report["rows"]] == [2, 2]
+    assert (out / "comparison.md").exists() and (out / "comparison.json").exists()
+
+    # A run restored from the cache is the run that computed it: the same variant and seed without a
+    # cache logs the same RL values.
+    c = _base_config()
+    cmp.apply_overrides(c, variants[0].overrides)
+    c.workdir = str(tmp_path / "alone")
+    trainer.train(cmp.resolve(c))
+    assert len(calls) == 2
+    cached = read_scalars(out / "off" / "seed0" / "tensorboard")
+    alone = read_scalars(tmp_path / "alone" / "tensorboard")
+    rl = [k for k in alone if k.startswith(("train/", "actor/", "val/"))]
+    assert rl and all(cached[k] == alone[k] for k in rl), [k for k in rl if cached[k] != alone[k]]
+
+    # Re-running the command runs nothing new; the report is rebuilt from the runs.
+    stamp = (out / "off" / "seed0" / "summary.json").stat().st_mtime
+    again = cmp.compare(_base_config(), variants, 2, out)
+    assert len(calls) == 2 and (out / "off" / "seed0" / "summary.json").stat().st_mtime == stamp
+    assert again["rows"][0]["final"] == report["rows"][0]["final"]
