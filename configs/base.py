@@ -1,6 +1,6 @@
 """Base configuration: every section, with RAGEN's defaults (spec §0, §5.6) where they apply.
 
-    python -m ragen_jax.launch --config configs/sokoban.py --config.model.preset=qwen2.5-0.5b \
+    python -m ragen_jax.launch --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-0.5b \
         --config.model.path=/models/Qwen2.5-0.5B-Instruct --config.starpo.adv_estimator=grpo
 
 Sections (each is the keys of one part's frozen config dataclass, so every field is overridable and

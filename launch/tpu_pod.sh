@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run ragen_jax on every host of a Cloud TPU pod slice (multi-host JAX).
 #
-#   launch/tpu_pod.sh TPU_NAME ZONE configs/sokoban.py --config.model.preset=qwen2.5-3b \
+#   launch/tpu_pod.sh TPU_NAME ZONE configs/sokoban_ragen.py --config.model.preset=qwen2.5-3b \
 #       --config.model.path=/data/Qwen2.5-3B-Instruct --config.workdir=/mnt/shared/runs/sokoban \
 #       --config.mesh.fsdp=-1
 #

@@ -1,7 +1,7 @@
 """Command-line entry point: train or evaluate from an ml-collections config file.
 
     python -m ragen_jax.launch --config configs/frozen_lake.py
-    python -m ragen_jax.launch --config configs/sokoban.py --config.model.preset=qwen2.5-0.5b \
+    python -m ragen_jax.launch --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-0.5b \
         --config.model.path=/models/Qwen2.5-0.5B-Instruct --config.trainer.total_steps=200
     python -m ragen_jax.launch --config configs/frozen_lake.py --config.mode=eval \
         --config.workdir=runs/frozen_lake
@@ -17,7 +17,7 @@ TensorBoard, transcripts and the summary. Without a scheduler that jax detects (
 Cloud TPU), name the coordinator:
 
     python -m ragen_jax.launch --distributed --coordinator_address=10.0.0.1:1234 --num_processes=2 \
-        --process_id=0 --config configs/sokoban.py
+        --process_id=0 --config configs/sokoban_ragen.py
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Memory planner: what one device holds during a run's rollout and StarPO update, without weights.
 
-    python -m ragen_jax.plan --config configs/sokoban.py --config.model.preset=qwen2.5-7b \
+    python -m ragen_jax.plan --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-7b \
         --config.mesh.fsdp=8 --config.model.scan_layers=True --config.starpo.micro_batch_size=8
 
 The model is built abstractly (``jax.eval_shape``: shapes and dtypes, no memory), the train state
