@@ -178,11 +178,11 @@ def compare(base, variants: list[Variant], seeds: int, out: str | Path, baseline
 
 
 def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample std / sqrt(n); 0 for one value)."""
+    """Mean and standard error of the mean (sample std / sqrt(n); NaN for one value: unknown)."""
     x = np.asarray(values, np.float64)
     if x.size == 0:
         return math.nan, math.nan
-    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else math.nan
     return float(x.mean()), se
 
 
@@ -303,7 +303,9 @@ def _curve(runs: list[RunResult]) -> list[list[float]]:
 
 def _pm(ms, digits=3) -> str:
     m, se = ms
-    return "—" if math.isnan(m) else f"{m:.{digits}f} ± {se:.{digits}f}"
+    if math.isnan(m):
+        return "—"
+    return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} ± {se:.{digits}f}"
 
 
 def _paired(t) -> str:
@@ -364,8 +366,10 @@ def plot(report: dict, path: Path, title: str) -> None:
 
 
 def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str | None = None) -> dict:
+    import jax
+
     report = summarize(collect(out, variants, seeds), baseline)
-    if not report["rows"]:
+    if not report["rows"] or jax.process_index() != 0:  # one process of a multi-process run writes
         return report
     title = f"Comparison in {out}"
     (out / "comparison.json").write_text(json.dumps(report, indent=1))

@@ -215,7 +215,9 @@ class HostState:
     resumed run continues its early-stop counters, curves and summary exactly."""
 
     early: EarlyStop
-    history: dict[str, Any]  # train / val success per step, (step, MI, H(Z|X)) points, warm-up mark
+    # train / val success per step, per-puzzle validation success, [step, rollout s, update s, kept
+    # fraction] per step, (step, MI, H(Z|X)) points, the warm-up mark
+    history: dict[str, Any]
     summary: dict[str, float]
 
     @classmethod

@@ -58,6 +58,7 @@ def test_paired_test_hand_worked():
     assert cmp.paired_test(np.ones(5), np.ones(5))["p"] == 1.0
     with pytest.raises(ConfigError, match="different puzzle sets"):
         cmp.paired_test(np.ones(5), np.ones(4))
+    assert math.isnan(cmp.mean_se([0.5])[1])  # one seed: no spread to report
     m, se = cmp.mean_se([0.5, 0.7, 0.9])
     assert m == pytest.approx(0.7) and se == pytest.approx(0.2 / math.sqrt(3))
 
@@ -107,17 +108,12 @@ def test_report_matches_numpy(tmp_path):
 
 
 def _base_config():
-    c = frozen_lake.get_config()
-    c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                             head_dim=16))
-    c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
-                          max_seq_len=400))
-    c.starpo.mini_batch_size = 4
-    c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
-    c.warmup.update(dict(single_turn_steps=2, steps=2, batch_size=4, num_states=4, heldout_states=8))
+    from tests.training.test_trainer import small_config_dict
+
+    c = small_config_dict("unused", total_steps=2, **{"warmup.single_turn_steps": 2})
     c.eval.num_episodes = 4
     c.eval.write_transcripts = False
-    c.trainer.update(dict(total_steps=2, eval_every=2, save_every=2, transcript_every=0, progress_bar=False))
+    c.trainer.update(dict(save_every=2, transcript_every=0))
     c.compilation_cache_dir = ""
     return c
 

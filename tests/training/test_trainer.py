@@ -22,6 +22,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def small_config(workdir, total_steps, **over):
+    return resolve(small_config_dict(workdir, total_steps, **over))
+
+
+def small_config_dict(workdir, total_steps, **over):
+    """The main job's config, shrunk so a run takes seconds (a ConfigDict, not yet resolved)."""
     c = frozen_lake.get_config()
     c.workdir = str(workdir)
     c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -37,7 +42,7 @@ def small_config(workdir, total_steps, **over):
     for k, v in over.items():
         section, key = k.split(".")
         c[section][key] = v
-    return resolve(c)
+    return c
 
 
 def _logged(workdir):
