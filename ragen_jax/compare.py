@@ -168,8 +168,12 @@ def compare(base, variants: list[Variant], seeds: int, out: str | Path, baseline
                 continue
             print(f"== run {n}/{len(runs)}: {v.label}, seed {cfg.seed} -> {workdir}")
             train(resolve(cfg))
-            write_report(out, variants, seeds, baseline)
-    return write_report(out, variants, seeds, baseline)
+            write_report(out, variants, seeds, baseline, _title(base))
+    return write_report(out, variants, seeds, baseline, _title(base))
+
+
+def _title(config) -> str:
+    return f"{config.env.name} / {config.model.preset}: variants from one warm-up"
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,13 +369,14 @@ def plot(report: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str | None = None) -> dict:
+def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str | None = None,
+                 title: str | None = None) -> dict:
     import jax
 
     report = summarize(collect(out, variants, seeds), baseline)
     if not report["rows"] or jax.process_index() != 0:  # one process of a multi-process run writes
         return report
-    title = f"Comparison in {out}"
+    title = title or f"Comparison in {out}"
     (out / "comparison.json").write_text(json.dumps(report, indent=1))
     (out / "comparison.md").write_text(markdown(report, title))
     plot(report, out / "comparison.png", title)
