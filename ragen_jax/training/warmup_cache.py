@@ -46,8 +46,9 @@ def _digest(payload: dict) -> str:
 def fingerprint(config) -> str:
     """The key of ``config``'s warm-up (16 hex digits)."""
     import ragen_jax
+    from ragen_jax.training.workdir import config_as_json
 
-    c = json.loads(config.to_json_best_effort(sort_keys=True))
+    c = config_as_json(config)
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
     payload = {"version": ragen_jax.__version__, "model": c["model"], "env": c["env"], "rollout": c["rollout"],
                "warmup": warmup}
@@ -58,8 +59,9 @@ def fingerprint(config) -> str:
 
 def eval_fingerprint(config) -> str:
     """The key of the validation set and its sampling (the ``eval`` section that changes results)."""
-    c = json.loads(config.to_json_best_effort(sort_keys=True))
-    return _digest({k: v for k, v in c["eval"].items() if k not in _EVAL_IGNORED})
+    from ragen_jax.training.workdir import config_as_json
+
+    return _digest({k: v for k, v in config_as_json(config)["eval"].items() if k not in _EVAL_IGNORED})
 
 
 class WarmupCache:

@@ -1,5 +1,6 @@
 """``ragen_jax.compare``: variants, the statistics against hand-worked values, the report against a
 NumPy re-derivation, and a real comparison whose runs share one cached warm-up."""
+import copy
 import json
 import math
 
@@ -164,3 +165,30 @@ def test_comparison_shares_one_warmup_and_resumes(tmp_path, monkeypatch):
     again = cmp.compare(_base_config(), variants, 2, out)
     assert len(calls) == 2 and (out / "off" / "seed0" / "summary.json").stat().st_mtime == stamp
     assert again["rows"][0]["final"] == report["rows"][0]["final"]
+
+
+def test_warmup_fingerprint_covers_what_the_warmup_depends_on():
+    from ragen_jax.training.warmup_cache import eval_fingerprint, fingerprint
+
+    base = frozen_lake.get_config()
+    key = fingerprint(base)
+
+    def changed(dotted, value, fn=fingerprint, cfg=None):
+        c = copy.deepcopy(cfg if cfg is not None else base)
+        cmp.apply_overrides(c, [(dotted, value)])
+        return fn(c) != fn(cfg if cfg is not None else base)
+
+    # What a comparison varies, and where the cache lives, leave the warm-up's key alone ...
+    for dotted, value in (("filter.value", 1.0), ("starpo.actor_lr", 1e-4), ("seed", 7),
+                          ("trainer.total_steps", 3), ("warmup.cache_dir", "/elsewhere"), ("eval.num_episodes", 8)):
+        assert not changed(dotted, value), dotted
+    # ... what the warm-up computes from changes it.
+    for dotted, value in (("warmup.steps", 5), ("warmup.seed", 9), ("model.tiny.hidden_size", 32),
+                          ("env.p", 0.8), ("rollout.max_new_tokens", 30)):
+        assert changed(dotted, value), dotted
+    # LoRA adapters draw their initialisation from the run's seed: then it is part of the key.
+    lora = copy.deepcopy(base)
+    lora.model.lora_rank = 4
+    assert fingerprint(lora) != key and changed("seed", 7, cfg=lora)
+    assert changed("eval.num_episodes", 8, fn=eval_fingerprint) and not changed("eval.write_transcripts", False,
+                                                                                 fn=eval_fingerprint)
