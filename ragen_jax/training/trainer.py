@@ -189,7 +189,12 @@ def setup(spec: RunSpec, placement=None) -> Setup:
         placement.state_shardings(params, strict=True)
     state_shardings = placement.state_shardings(train_state)
     train_state = placement.put(train_state, state_shardings)
-    rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
+    try:
+        rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
+    except ValueError as e:  # a context too short for this tokenizer's prompt: the config's to fix
+        from ragen_jax.training.configuration import ConfigError
+
+        raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
     # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
     update = make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,

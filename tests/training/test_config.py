@@ -188,3 +188,12 @@ def test_cli_workdir_that_is_a_file(tmp_path):
     p = _launch("--config", "configs/frozen_lake.py", f"--config.workdir={f}")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "exists and is not a directory" in p.stderr
+
+
+def test_cli_context_too_short_for_the_prompt_is_one_clear_error(tmp_path):
+    # Only known once the tokenizer has encoded the system prompt (at set-up, not in resolve).
+    p = _launch("--config", "configs/frozen_lake.py", "--config.rollout.max_seq_len=100",
+                f"--config.workdir={tmp_path}", "--config.compilation_cache_dir=")
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("Configuration error: rollout.max_seq_len=100 cannot hold even one turn"), last
