@@ -192,3 +192,17 @@ def test_warmup_fingerprint_covers_what_the_warmup_depends_on():
     assert fingerprint(lora) != key and changed("seed", 7, cfg=lora)
     assert changed("eval.num_episodes", 8, fn=eval_fingerprint) and not changed("eval.write_transcripts", False,
                                                                                  fn=eval_fingerprint)
+
+
+def test_cli_refuses_a_bad_variant_before_running_anything(tmp_path):
+    import subprocess
+    import sys
+
+    root = cmp.Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "ragen_jax.compare", "--config", "configs/frozen_lake.py",
+                        "--variants", "filter.value=1.0,filter.vale=0.9", "--seeds", "2", "--out", str(tmp_path)],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "Configuration error: unknown config key 'filter.vale'" in p.stderr, p.stderr[-1500:]
+    assert "Did you mean value" in p.stderr
+    assert not any(tmp_path.iterdir())  # no run was started

