@@ -20,6 +20,8 @@ def get_config():
     c.model.preset = "smollm2_135m"
     c.model.lora_rank = 8
     c.model.lora_alpha = 16.0
+    c.model.scan_layers = True  # one compiled layer: compile time and memory (bandit_smollm2.py)
+    c.model.remat = True
 
     c.rollout.num_groups = 4
     c.rollout.group_size = 4
@@ -28,8 +30,8 @@ def get_config():
 
     c.starpo.actor_lr = 2e-4
     c.starpo.mini_batch_size = 16
-    c.starpo.micro_batch_size = 8
-    c.collapse.micro_batch_size = 16
+    c.starpo.micro_batch_size = 4
+    c.collapse.micro_batch_size = 8
     c.collapse.max_reasoning_tokens = 48
 
     c.warmup.single_turn_steps = 60
