@@ -14,19 +14,13 @@ high-risk one: 0.25 on average against 0.1, hinted only by its name) is left to 
 LoRA rank 8 on every projection (the frozen base is the KL reference); its learning rates are
 LoRA's, not the pretrained full fine-tuning default of 1e-6. Results: ``docs/experiments.md``.
 """
-from configs import bandit
+from configs import bandit, base
 
 
 def get_config():
     c = bandit.get_config()
     c.workdir = "runs/bandit_smollm2"
-    c.model.preset = "smollm2_135m"
-    c.model.lora_rank = 8
-    c.model.lora_alpha = 16.0
-    # One compiled layer under lax.scan, activations recomputed in the backward pass: the 30-layer
-    # update then compiles in a fraction of the time and memory (unrolled it peaked above 24 GB).
-    c.model.scan_layers = True
-    c.model.remat = True
+    base.use_smollm2_with_lora(c, rank=8)
 
     # 4 prompts x 4 samples: one StarPO update of the 135M model on 16 rows takes ~50 s on 2 cores.
     c.rollout.num_groups = 4

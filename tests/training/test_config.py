@@ -197,3 +197,13 @@ def test_cli_context_too_short_for_the_prompt_is_one_clear_error(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("Configuration error: rollout.max_seq_len=100 cannot hold even one turn"), last
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "configs").glob("*.py")
+                                        if p.name not in ("__init__.py", "base.py")))
+def test_every_shipped_config_resolves(path):
+    import importlib
+
+    module = importlib.import_module(f"configs.{path[:-3]}")
+    spec = _resolve(module.get_config())
+    assert spec.config.workdir.startswith("runs/"), spec.config.workdir
