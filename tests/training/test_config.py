@@ -90,10 +90,15 @@ def test_unknown_section_key_lists_allowed():
 
 
 def test_warmup_requires_an_expert():
-    cfg = bandit.get_config()
+    from configs import metamathqa  # a text env: no solver to imitate
+
+    cfg = metamathqa.get_config()
     cfg.warmup.steps = 5
     with pytest.raises(ConfigError, match="warmup.steps"):
         _resolve(cfg)
+    cfg = bandit.get_config()  # the Bandit has one (the high-risk arm)
+    cfg.warmup.steps = 5
+    assert _resolve(cfg).config.warmup.steps == 5
 
 
 def _launch(*args):
