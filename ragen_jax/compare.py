@@ -266,8 +266,9 @@ def summarize(results: dict[str, list[RunResult]], baseline: str | None = None) 
     if baseline not in results:
         raise ConfigError(f"--baseline {baseline!r} is not a variant; variants: {', '.join(results)}")
     base_puzzles = _mean_over_seeds(results[baseline])
-    warmup_puzzles = next((_mean_over_seeds(runs, 0) for runs in results.values() if runs
-                           and _mean_over_seeds(runs, 0) is not None), None)
+    # Every run starts from the same cached warm-up: the first run validated at step 0 stands for all.
+    before_rl = (_mean_over_seeds(runs, 0) for runs in results.values() if runs)
+    warmup_puzzles = next((p for p in before_rl if p is not None), None)
     rows = []
     for label, runs in results.items():
         if not runs:

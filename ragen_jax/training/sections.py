@@ -62,8 +62,8 @@ class ModelSection:
     recomputes activations in the backward pass. ``tiny``: the ``tiny`` preset's dimensions.
     ``lora_rank > 0``: LoRA adapters (scale ``lora_alpha / lora_rank``) on the ``lora_targets``
     projections; only the adapters are trained and kept in optimizer state, the frozen base is the
-    KL reference, checkpoints hold the adapters only (``models.lora``; ``python -m
-    ragen_jax.export_lora`` writes the merged model).
+    KL reference, checkpoints hold the adapters only (``models.lora``;
+    ``config.mode=export`` writes the merged model).
     """
 
     preset: str = "tiny"
