@@ -42,6 +42,7 @@ setup(
         # TensorBoard itself, to view the event files every run writes (tensorboardX writes them).
         "viewer": ["tensorboard>=2.16"],
         # Peers measured in the same invocation by benchmarks/.
-        "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six", "pgx"],
+        # google-tunix 0.1.7 caps safetensors < 0.8, so pip resolves transformers 5.12 in that environment.
+        "bench": ["jumanji", "gymnax", "gymnasium", "gym-sokoban", "six", "pgx", "google-tunix==0.1.7"],
     },
 )

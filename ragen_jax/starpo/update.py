@@ -271,17 +271,19 @@ def _guarded_step(tx, grads, opt_state, params, has_tokens):
     return params, opt_state, grad_norm, finite, applied
 
 
-def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int = 0):
+def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int = 0, single_pass: bool = False):
     """Returns ``(loss_fn, critic_values)``.
 
     ``loss_fn(params, critic_params, rest, mb, den, value_den) -> (loss, aux)`` is one micro-batch's
     share of the mini-batch objective: ``losses.actor_objective``'s numerator (clipped policy loss −
     entropy_coeff · entropy + kl_coef · KL) divided by the mini-batch denominator ``den``, plus
-    ``losses.critic_objective``'s clipped value loss numerator over ``value_den`` (token-mean). Summing its gradients over the micro-batches of a
-    mini-batch gives exactly the gradient of the mini-batch aggregate. ``mb`` holds ``tokens``,
+    ``losses.critic_objective``'s clipped value loss numerator over ``value_den`` (token-mean). Summing its
+    gradients over the micro-batches of a mini-batch gives exactly the gradient of the mini-batch aggregate. ``mb`` holds ``tokens``,
     ``loss_mask``, ``row_weights``, ``old_logp``, ``advantages`` (+ ``ref_logp`` with a KL loss,
     ``old_values`` and ``returns`` with a critic), all ``[m, ...]``. ``shared_prefix_len``: see
-    ``make_update_step``.
+    ``make_update_step``. ``single_pass`` (see ``is_single_pass``): the old log-probs are this forward's
+    own, stop-gradient, and ``mb`` holds ``sampler_logp`` instead of ``old_logp``; the aux then also
+    carries the sampler agreement (``sampler_diff_sum`` and ``sampler_diff_max`` over the mask).
     """
     mode = cfg.critic_mode
     chunk = cfg.logprob_chunk_size
@@ -305,8 +307,9 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
                                                   temperature=cfg.scoring_temperature,
                                                   shared_prefix_len=shared_prefix_len)
         mask, row_w = mb["loss_mask"], mb["row_weights"]
+        old_logp = jax.lax.stop_gradient(logp) if single_pass else mb["old_logp"]
         actor_num, _, terms = losses.actor_objective(
-            logp, mb["old_logp"], mb["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, row_weights=row_w,
+            logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, row_weights=row_w,
             policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
             ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type, kl_coef=cfg.kl_coef,
             **policy_hparams)
@@ -319,6 +322,9 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
         for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             aux[name] = terms[name] * n_tok
         aux["n_tokens"] = n_tok
+        if single_pass:
+            diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - mb["sampler_logp"]), 0.0)
+            aux["sampler_diff_sum"], aux["sampler_diff_max"] = jnp.sum(diff), jnp.max(diff)
         if mode != "none":
             values = critic_values(critic_params, rest[1], mb["tokens"], hidden)
             v_num, _, v_metrics = losses.critic_objective(values, mb["old_values"], mb["returns"], mask,
@@ -331,6 +337,17 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
         return loss, aux
 
     return micro_loss, critic_values
+
+
+def is_single_pass(cfg: StarPOConfig, filter_cfg: FilterConfig, num_mini: int, per_turn: bool) -> bool:
+    """True when the update is one optimizer step on the whole batch from the parameters that sampled it
+    (one epoch, one mini-batch) and nothing else reads the pre-update scores: no critic, no reference, no
+    KL in the reward, no entropy-based SNR filter, whole transcripts. The old log-probs are then exactly
+    the loss pass's own (ratio 1), so the separate scoring forward is skipped: a third less compute,
+    the same update (Tunix's GRPO learner with ``num_iterations=1`` makes the same saving)."""
+    return (cfg.ppo_epochs == 1 and num_mini == 1 and cfg.critic_mode == "none" and not cfg.uses_reference
+            and not cfg.kl_in_reward and snr_filter.GROUP_SCORES.get(filter_cfg.metric).source != "entropy"
+            and not per_turn)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,7 +416,7 @@ def filter_groups(filter_cfg: FilterConfig, traj: Trajectory, old: dict, loss_ma
         group_size=group_size,
         episode_scores=adv_lib.episode_scores(traj.token_rewards),
         response_lengths=traj.response_length,
-        row_entropy=snr_filter.row_mean_entropy(old["entropy"], loss_mask),
+        row_entropy=snr_filter.row_mean_entropy(old["entropy"], loss_mask) if "entropy" in old else None,
         metric=filter_cfg.metric,
         strategy=filter_cfg.strategy,
         value=filter_cfg.value,
@@ -453,9 +470,12 @@ def update_batch(cfg: StarPOConfig, traj: Trajectory, train_mask: jax.Array, row
         "tokens": traj.tokens,
         "loss_mask": train_mask,
         "row_weights": row_weights,
-        "old_logp": old["logp"],
         "advantages": advantages,
     }
+    if "logp" in old:
+        data["old_logp"] = old["logp"]
+    else:  # single pass: the loss forward supplies the old log-probs and compares them with the sampler's
+        data["sampler_logp"] = traj.sampler_logprobs
     if cfg.use_kl_loss:
         data["ref_logp"] = old["ref_logp"]
     if cfg.critic_mode != "none":
@@ -518,6 +538,7 @@ def make_update_step(
     per_turn_rows: Optional[tuple[int, int]] = None,
     placement=None,
     state_shardings=None,
+    single_pass: Optional[bool] = None,
 ):
     """Builds ``update(train_state, trajectory, key=None) -> (train_state, metrics)``.
 
@@ -541,6 +562,8 @@ def make_update_step(
         reused) and replicated metrics. The trajectory keeps the rollout's batch layout. Every
         statistic (the SNR filter's group ranking, advantage normalisation, the MI matrix) is of the
         global batch: the program is written for one device and XLA inserts the collectives.
+      single_pass: skip the scoring forward when ``is_single_pass`` holds (None: whenever it does; False:
+        never, the two-pass reference). The sampler agreement is then measured on the kept rows only.
     The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
     drives pair sampling and shuffling; without it the state's key is split and advanced.
     """
@@ -556,14 +579,16 @@ def make_update_step(
     critic_tx = make_optimizer(cfg.critic_lr, cfg)
     actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,
                                       cfg.min_lr_ratio)
-    micro_loss, critic_values = make_loss_fn(graphdefs, cfg, shared_prefix_len)
     P = shared_prefix_len
-    grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
+    loss_fns = {flag: make_loss_fn(graphdefs, cfg, shared_prefix_len, single_pass=flag) for flag in (False, True)}
+    critic_values = loss_fns[False][1]
+    grad_fns = {flag: jax.value_and_grad(fn, argnums=(0, 1), has_aux=True) for flag, (fn, _) in loss_fns.items()}
 
     # --- one optimizer step ----------------------------------------------------------------------------
 
-    def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array):
+    def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array, single: bool):
         params, opt_state, c_params, c_opt, counts = carry
+        grad_fn = grad_fns[single]
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         den = losses.loss_denominator(mask, cfg.loss_agg_mode, row_w)
         value_den = losses.loss_denominator(mask, "token-mean", row_w)
@@ -571,7 +596,10 @@ def make_update_step(
 
         def accumulate(acc, md):
             (_, aux), grads = grad_fn(params, c_params, rest, md, den, value_den)
-            return jax.tree.map(jnp.add, acc, (grads, aux)), None
+            grads, summed = jax.tree.map(jnp.add, acc, (grads, aux))
+            if single:  # a maximum over the micro-batches, not a sum
+                summed["sampler_diff_max"] = jnp.maximum(acc[1]["sampler_diff_max"], aux["sampler_diff_max"])
+            return (grads, summed), None
 
         zero_aux = jax.tree.map(
             lambda s: jnp.zeros(s.shape, s.dtype),
@@ -600,6 +628,10 @@ def make_update_step(
         }
         if cfg.use_kl_loss:
             metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
+        if single:
+            metrics["actor/sampler_logprob_abs_diff_mean"] = _safe_div(aux["sampler_diff_sum"], aux["n_tokens"])
+            metrics["actor/sampler_logprob_abs_diff_max"] = aux["sampler_diff_max"]
+            metrics["actor/entropy"] = _safe_div(aux["entropy_num"], den)
         c_apply = jnp.zeros((), bool)
         if mode != "none":
             c_params, c_opt, c_grad_norm, c_finite, c_apply = _guarded_step(critic_tx, c_grads, c_opt, c_params,
@@ -638,8 +670,12 @@ def make_update_step(
         loss_mask = traj.loss_mask.astype(bool)
         rows = None if per_turn_rows is None else turn_rows(traj, *per_turn_rows)
 
-        old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P)  # 1.
-        metrics = sampler_agreement(cfg, old, traj, loss_mask)
+        single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini, rows is not None)
+        if single:  # 1. is folded into the loss pass
+            old, metrics = {}, {}
+        else:
+            old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P)  # 1.
+            metrics = sampler_agreement(cfg, old, traj, loss_mask)
         c_metrics, collapse_state = diagnose_collapse(graphdefs, cfg, collapse_cfg, state, traj, rows,  # 2.
                                                       key_collapse, num_groups)
         metrics.update(c_metrics)
@@ -648,7 +684,8 @@ def make_update_step(
         kept = filt.row_weights > 0
         train_mask = loss_mask & kept[:, None]
         # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
-        metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.loss_agg_mode)
+        if not single:
+            metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.loss_agg_mode)
         advantages, returns, a_metrics = estimate_advantages(cfg, filter_cfg, traj, old, filt, loss_mask,  # 4.
                                                              train_mask, group_size)
         metrics.update(a_metrics)
@@ -659,7 +696,8 @@ def make_update_step(
         def epoch(carry, epoch_key):
             batches = mini_batches_in_order(data, kept, epoch_key, shuffle=cfg.shuffle, num_mini=num_mini,
                                             mini_size=mini_size, rows_per_episode=rows_per_episode)
-            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=filt.is_empty)
+            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=filt.is_empty,
+                                                 single=single)
             return jax.lax.scan(step, carry, batches)
 
         counts0 = {k: jnp.zeros((), jnp.int32) for k in ("applied", "critic_applied", "nonfinite")}

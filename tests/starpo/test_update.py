@@ -386,6 +386,43 @@ def test_shared_prompt_once_per_batch_gives_the_same_update():
         np.testing.assert_allclose(float(m_full[key]), float(m_once[key]), rtol=1e-5, atol=1e-7)
 
 
+def test_single_pass_update_equals_the_two_pass_update():
+    """One epoch, one mini-batch: the loss pass's own log-probs stand in for the scoring forward (ratio 1).
+    Same parameters and metrics as the two-pass reference; the sampler agreement is a maximum over the
+    micro-batches (one row is off by 0.7, the rest by 0.1), not a sum."""
+    traj = random_traj(52)
+    gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), StarPOConfig(**LINEAR_FIRST_STEP),
+                                   key=jax.random.key(0))
+    policy = nnx.merge(gd.policy, state.params, state.rest[0])
+    logits, _ = policy(traj.tokens, positions_for(traj.tokens))
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    shift = jnp.full((BATCH, 1), 0.1).at[5].set(0.7)
+    traj = traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact - shift, 0.0))
+
+    cfg = StarPOConfig(**{**LINEAR_FIRST_STEP, "mini_batch_size": BATCH, "micro_batch_size": 4})
+    filt, diag = FilterConfig(), CollapseConfig(first_turn_enabled=False, trajectory_enabled=False)
+    assert U.is_single_pass(cfg, filt, 1, per_turn=False)
+    results = []
+    for single in (None, False):
+        gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(gd, cfg, filt, diag, group_size=GROUP_SIZE, single_pass=single)
+        results.append(update(state, traj))
+    (s_one, m_one), (s_two, m_two) = results
+    assert tree_max_abs_diff(s_one.params, s_two.params) < 1e-6
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/sampler_logprob_abs_diff_mean",
+                "actor/sampler_logprob_abs_diff_max"):
+        np.testing.assert_allclose(float(m_one[key]), float(m_two[key]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(m_one["actor/sampler_logprob_abs_diff_max"]), 0.7, atol=1e-5)
+    # Anything that reads the pre-update scores, or a second optimizer step, keeps the scoring pass.
+    for other, f, num_mini, per_turn in (
+            (cfg, filt, 2, False), (cfg, filt, 1, True), (cfg, FilterConfig(metric="entropy_variance"), 1, False),
+            (StarPOConfig(**{**LINEAR_FIRST_STEP, "ppo_epochs": 2}), filt, 1, False),
+            (StarPOConfig(adv_estimator="gae"), filt, 1, False),
+            (StarPOConfig(**{**LINEAR_FIRST_STEP, "use_kl_loss": True, "kl_coef": 0.1}), filt, 1, False)):
+        assert not U.is_single_pass(other, f, num_mini, per_turn)
+
+
 @pytest.mark.parametrize("critic_mode", ["shared", "separate"])
 def test_gae_with_critic_and_kl_trains_the_value_function(critic_mode):
     cfg = StarPOConfig(adv_estimator="gae", critic=critic_mode, mini_batch_size=8, micro_batch_size=4,
