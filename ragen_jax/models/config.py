@@ -53,6 +53,10 @@ class ModelConfig:
       attention_block_size: queries per block of the causal attention of a whole sequence (no KV
         cache): blocks above the diagonal are skipped, ~half the attention work on long rows;
         0 = one [T, T] masked softmax. Same numbers either way.
+      cache_block_size: cache slots per block when new tokens attend to a KV cache; only the blocks up
+        to the batch's furthest position are read (a rollout's cache is sized for the whole
+        conversation). 0 = 64 on CPU, where each block is cheap and empty slots are not, and 1024 on
+        accelerators, where a block costs kernel launches. Same numbers up to float rounding.
       lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter
         (`decoder.LoRALinear`: y = x W + (alpha / rank) x A B, A [in, r], B [r, out] starting at 0);
         the adapters are `nnx.LoRAParam`s, the only weights StarPO and the warm-up train.
@@ -80,6 +84,7 @@ class ModelConfig:
     scan_layers: bool = False
     remat: bool = False
     attention_block_size: int = 64
+    cache_block_size: int = 0
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS

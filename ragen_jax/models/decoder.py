@@ -143,8 +143,7 @@ class Attention(nnx.Module):
             out = _causal_attend(q, k, v, cfg.attention_block_size, cache.k[layer], cache.v[layer])
         else:
             cache = write_layer(cache, layer, positions, k, v)
-            k, v = cache.k[layer], cache.v[layer]  # [B, S, K, Hd]
-            out = _cached_attend(q, k.astype(q.dtype), v.astype(q.dtype), positions, cfg.attention_block_size)
+            out = _cached_attend(q, cache, layer, positions, cfg.attention_block_size, cfg.cache_block_size)
         return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -165,24 +164,86 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.reshape(B, T, H, Hd)
 
 
-def _cached_attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
-    """Attention of new queries over a KV cache, one block of queries at a time.
+def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
+                   block_size: int, cache_block: int = 0) -> jax.Array:
+    """Attention of new queries over layer ``layer`` of a KV cache, one block of queries at a time.
 
-    q [B, T, H, Hd], positions int32 [B, T]; k, v [B, S, K, Hd] (the whole cache) -> [B, T, H, Hd];
+    q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, S, K, Hd] -> [B, T, H, Hd];
     query [b, t] sees the slots ``<= positions[b, t]``. A prefill chunk of T tokens over an S-slot
     cache would hold [B, H, T, S] float32 scores at once (~9 GB for 128 rows of a 300-token turn over
     4,096 slots of a 14-head model); blocks of ``block_size`` queries bound that to [B, H, block, S].
-    Decoding (T = 1) is one block.
+    Decoding (T = 1) is one block. Each block reads only the cache slots up to its furthest position
+    (``_attend_filled``).
     """
     T = q.shape[1]
     block = T if block_size <= 0 else block_size
-    slots = jnp.arange(k.shape[1])
     outs = []
     for start in range(0, T, block):
         end = min(start + block, T)
-        mask = slots[None, None, :] <= positions[:, start:end, None]  # [B, block, S]
-        outs.append(_attend(q[:, start:end], k, v, mask))
+        outs.append(_attend_filled(q[:, start:end], cache, layer, positions[:, start:end], cache_block))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def cache_block_slots(cache_block: int) -> int:
+    """``ModelConfig.cache_block_size`` resolved for the backend (0 = auto, see there)."""
+    if cache_block > 0:
+        return cache_block
+    return 64 if jax.default_backend() == "cpu" else 1024
+
+
+def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
+                   cache_block: int = 0) -> jax.Array:
+    """``_attend`` over the cache slots ``0 .. max(positions)`` only, in blocks of ``cache_block`` slots.
+
+    A rollout's cache is sized for the whole conversation, but a turn's queries see only what has been
+    written so far: decoding the first reply of a 5-turn episode would otherwise read (and lay out for
+    the matmul) every empty slot, on every step, in every layer — most of a decode step's time on CPU.
+    The blocks are combined with a running max and sum (the online softmax), so the result equals one
+    softmax over the filled slots up to float rounding. Blocks are sliced straight out of the stacked
+    cache (a per-layer slice of it would be a copy of the whole layer). q [B, T, H, Hd], positions
+    int32 [B, T]; cache.k, cache.v [L, B, S, K, Hd] -> [B, T, H, Hd].
+    """
+    B, T, H, Hd = q.shape
+    S, K = cache.k.shape[2], cache.k.shape[3]
+    block = cache_block_slots(cache_block)
+    if S <= block:
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+        return _attend(q, cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype), mask)
+    qg = q.reshape(B, T, K, H // K, Hd)
+    # The last block starts at S - block when S is not a whole number of blocks (it then overlaps
+    # the one before; the overlap is masked out of the earlier block's contribution below).
+    num_blocks = jnp.clip(jnp.max(positions) // block + 1, 1, -(-S // block))
+    low = jnp.finfo(jnp.float32).min
+
+    def attend_block(i, carry):
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Hd] float32
+        first = jnp.minimum(i * block, S - block)
+        ks = jax.lax.dynamic_slice(cache.k, (layer, 0, first, 0, 0), (1, B, block, K, Hd))[0].astype(q.dtype)
+        vs = jax.lax.dynamic_slice(cache.v, (layer, 0, first, 0, 0), (1, B, block, K, Hd))[0].astype(q.dtype)
+        slots = first + jnp.arange(block)
+        # Slots of this block only (an overlapping last block skips what the previous block covered).
+        visible = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None, :]
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, ks, preferred_element_type=jnp.float32) / math.sqrt(Hd)
+        scores = jnp.where(visible[:, None, None], scores, low)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        l = l * rescale + jnp.sum(p, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(vs.dtype), vs,
+                                                    preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    def body(carry, i):
+        # A scan with a skip rather than a loop to num_blocks: reverse-mode differentiation (scoring a
+        # continuation of a cached prompt) needs a static trip count.
+        return jax.lax.cond(i < num_blocks, attend_block, lambda i, c: c, i, carry), None
+
+    G = H // K
+    init = (jnp.full((B, K, G, T), low, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, Hd), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(body, init, jnp.arange(-(-S // block)))
+    out = (acc / l[..., None]).astype(q.dtype)  # [B, K, G, T, Hd]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, H, Hd)
 
 
 def _causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int,

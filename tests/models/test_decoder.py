@@ -105,10 +105,10 @@ def _greedy(model, prompt, new_tokens, max_len):
     return np.stack([np.asarray(o) for o in out], axis=1)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_decode_matches_transformers(family, qwen2, llama):
+@pytest.mark.parametrize("family,cache_block", [("qwen2", 0), ("llama", 0), ("qwen2", 16)])
+def test_greedy_decode_matches_transformers(family, cache_block, qwen2, llama):
     torch_model = qwen2 if family == "qwen2" else llama
-    cfg, model = _ours(torch_model)
+    cfg, model = _ours(torch_model, cache_block_size=cache_block)
     prompt = _tokens(2, 6, cfg.vocab_size, seed=6)
     ours = _greedy(model, prompt, 32, max_len=48)
     np.testing.assert_array_equal(ours, ref.torch_greedy(torch_model, prompt, 32))
@@ -157,18 +157,21 @@ def test_shared_prefix_continuation_matches_transformers(llama, scan_layers):
         model.hidden(jnp.asarray(tokens[:, 6:]), jnp.asarray(_arange(3, 9, start=6)), two_rows)
 
 
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_ragged_chunked_prefill_equals_full_recompute(llama, scan_layers):
+@pytest.mark.parametrize("scan_layers,slots,cache_block", [(False, 32, 0), (False, 32, 8), (False, 13, 5),
+                                                           pytest.param(True, 32, 0, marks=pytest.mark.slow)])
+def test_ragged_chunked_prefill_equals_full_recompute(llama, scan_layers, slots, cache_block):
     """Fixed-size chunks written at per-row positions with per-row valid lengths; the padding of
     each chunk is garbage that the next chunk overwrites. Every real token's logits must equal the
-    PyTorch model run on that row's real tokens alone."""
-    cfg, model = _ours(llama, scan_layers=scan_layers)
+    PyTorch model run on that row's real tokens alone. ``cache_block`` > 0 reads the cache in blocks
+    up to the furthest position (positions reach 11: 8 of 32 slots leaves two blocks unread; 5 of 13
+    slots ends with a block at slot 8, overlapping the one before); 0 = one pass over every slot."""
+    cfg, model = _ours(llama, scan_layers=scan_layers, cache_block_size=cache_block)
     rng = np.random.default_rng(8)
     B, C, chunks = 3, 5, 3
     valid = np.array([[5, 2, 4], [1, 5, 3], [3, 3, 1]])  # [B, chunks] valid tokens per chunk
     real = [rng.integers(0, cfg.vocab_size, size=valid[b].sum()).astype(np.int32) for b in range(B)]
     fwd = _jitted(model)
-    cache = init_cache(cfg, B, 32)
+    cache = init_cache(cfg, B, slots)
     start = np.zeros(B, np.int32)
     got = [[] for _ in range(B)]
     for c in range(chunks):
