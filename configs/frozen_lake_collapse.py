@@ -1,21 +1,21 @@
-"""An attempt at template collapse on purpose: the main job's model and warm-up, with the settings
-under which an earlier version's first-turn reasoning drifted into an input-independent template.
+"""Template collapse on purpose: the main job with a 5x learning rate and no SNR filter.
 
     python -m ragen_jax.launch --config configs/frozen_lake_collapse.py
     tensorboard --logdir runs/frozen_lake_collapse   # collapse/*, early_stop/mi_collapse, collapse/quadrant
 
-Two changes from ``configs/frozen_lake.py``: the whole conversation is the context
-(``rollout.context_mode="full"``: in later turns the model has to find the latest of several
-boards, and the reward never checks that the reasoning names the right cells), and 4 start states ×
-8 samples per step at a constant learning rate (fewer, noisier groups per update). Under these
-settings an earlier version measured I(X;Z) on first-turn reasoning falling from 0.80 to 0.39 within
-~100 StarPO steps at a flat H(Z|X) of 0.05. **With the current code it does not collapse**: MI
-0.77 at step 1, then 0.40-0.74 (no trend) through step 200, H(Z|X) 0.005-0.17, retrieval accuracy
-mostly 1.0, validation 0.56 -> 0.72 (``docs/experiments.md``). Since that measurement the MI proxy
-scores only replies that parse and log-probs at the sampling temperature, and this warm-up's
-first phase ran to its cap. A configuration that reliably collapses is still to be found; the
-planted-collapse tests (``tests/starpo/``) pin the estimator itself (copying: MI ~ log N; a
-prompt-blind template: ~0).
+Three changes from ``configs/frozen_lake.py``: ``starpo.actor_lr=2.5e-3`` at a constant rate (the
+main job: 5e-4 with a cosine decay), the SNR filter off (every group trains, zero-variance ones too),
+and the MI proxy every 2 steps with validation every 10. Measured (one seed, 120 StarPO steps, 3.5
+min after a cached warm-up; ``docs/experiments.md``, ``docs/collapse_template_frozen_lake.png``):
+first-turn I(X;Z) falls from 0.97 to 0.2-0.3 while H(Z|X) rises from 0.07 to 0.2-0.3, and from step
+70 on every computation is classified ``template_collapse`` (low MI, higher H(Z|X): varied reasoning
+that no longer depends on the board). Validation falls with it, 0.64 -> 0.19 at step 60, then
+recovers to 0.47. It is not the textbook sequence: H(Z|X) rises rather than staying flat, and
+validation falls from step 10 while MI is still above half its baseline, so the alert
+(``early_stop/mi_collapse``, MI below half the baseline for 3 computations *while the reward
+plateaus*) fires only at step 102. With ``actor_lr=1.5e-3`` nothing collapses (MI 0.5-0.9,
+validation 0.71); with 5e-3 the policy breaks at once (training success 0.62 -> 0.03 in 4 steps,
+then MI 0 and H(Z|X) 0: one fixed reply, low-entropy collapse).
 """
 from configs import frozen_lake
 
@@ -23,11 +23,13 @@ from configs import frozen_lake
 def get_config():
     c = frozen_lake.get_config()
     c.workdir = "runs/frozen_lake_collapse"
-    c.rollout.context_mode = "full"
-    c.rollout.num_groups = 4
-    c.rollout.group_size = 8
+    c.starpo.actor_lr = 2.5e-3
     c.starpo.lr_schedule = "constant"
-    c.trainer.total_steps = 200
+    c.filter.value = 1.0
+    c.filter.include_zero = True
+    c.collapse.compute_freq = 2
+    c.trainer.total_steps = 120
     c.trainer.time_limit_minutes = 0.0
-    c.trainer.eval_every = 25
+    c.trainer.eval_every = 10
+    c.trainer.save_every = 60
     return c
