@@ -278,8 +278,9 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
     share of the mini-batch objective: ``losses.actor_objective``'s numerator (clipped policy loss −
     entropy_coeff · entropy + kl_coef · KL) divided by the mini-batch denominator ``den``, plus
     ``losses.critic_objective``'s clipped value loss numerator over ``value_den`` (token-mean). Summing its
-    gradients over the micro-batches of a mini-batch gives exactly the gradient of the mini-batch aggregate. ``mb`` holds ``tokens``,
-    ``loss_mask``, ``row_weights``, ``old_logp``, ``advantages`` (+ ``ref_logp`` with a KL loss,
+    gradients over the micro-batches of a mini-batch gives exactly the gradient of the mini-batch
+    aggregate. ``mb`` holds ``tokens``, ``loss_mask``, ``row_weights``, ``old_logp``, ``advantages``
+    (+ ``ref_logp`` with a KL loss,
     ``old_values`` and ``returns`` with a critic), all ``[m, ...]``. ``shared_prefix_len``: see
     ``make_update_step``. ``single_pass`` (see ``is_single_pass``): the old log-probs are this forward's
     own, stop-gradient, and ``mb`` holds ``sampler_logp`` instead of ``old_logp``; the aux then also
