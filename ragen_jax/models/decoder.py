@@ -210,8 +210,8 @@ def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
         return _attend(q, cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype), mask)
     qg = q.reshape(B, T, K, H // K, Hd)
-    # The last block starts at S - block when S is not a whole number of blocks (it then overlaps
-    # the one before; the overlap is masked out of the earlier block's contribution below).
+    # The last block starts at S - block when S is not a whole number of blocks: it then overlaps the
+    # one before, and the slots that block already counted are masked out of it below.
     num_blocks = jnp.clip(jnp.max(positions) // block + 1, 1, -(-S // block))
     low = jnp.finfo(jnp.float32).min
 
