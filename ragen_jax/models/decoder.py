@@ -175,7 +175,10 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     Decoding (T = 1) is one block. Each block reads only the cache slots up to its furthest position
     (``_attend_filled``).
     """
-    T = q.shape[1]
+    T, S = q.shape[1], cache.k.shape[2]
+    if S > cache_block_slots(cache_block):
+        # Blocks of cache slots bound the scores to [B, H, T, cache block] already: one pass for all queries.
+        return _attend_filled(q, cache, layer, positions, cache_block)
     block = T if block_size <= 0 else block_size
     outs = []
     for start in range(0, T, block):
