@@ -57,16 +57,20 @@ class EarlyStop:
       ``baseline_steps`` non-empty steps; collapse when ``window`` consecutive later steps are all
       below ``ratio`` × baseline;
     * MI collapse: the MI proxy below ``mi_ratio`` × its baseline (mean of the first
-      ``mi_baseline`` computations) for ``mi_window`` consecutive computations while the reward
-      plateaus (mean return over those computations' steps not above the mean over the steps before).
+      ``mi_baseline`` computations) for ``mi_window`` consecutive computations. With
+      ``mi_needs_plateau`` the reward must also plateau over those computations' steps (mean return
+      not above the mean over as many steps before). Off by default: in a measured template
+      collapse the return falls and partly recovers while MI keeps falling, and the plateau test
+      held the alert back until the recovery was over (docs/experiments.md, "Template collapse").
     """
 
     baseline_steps: int = 10
     window: int = 10
     ratio: float = 0.1
-    mi_ratio: float = 0.5
+    mi_ratio: float = 0.7
     mi_window: int = 3
     mi_baseline: int = 3
+    mi_needs_plateau: bool = False
     consecutive_empty: int = 0
     rv_history: list = dataclasses.field(default_factory=list)
     rv_below: int = 0
@@ -93,12 +97,7 @@ class EarlyStop:
             if len(self.mi_history) > self.mi_baseline:
                 base = float(np.mean([m for _, m in self.mi_history[: self.mi_baseline]]))
                 low = mi < self.mi_ratio * base
-                n = len(self.return_history)
-                span = max(1, n - self.mi_history[-self.mi_window][0]) if len(self.mi_history) >= self.mi_window else n
-                recent = np.mean(self.return_history[-span:])
-                before = np.mean(self.return_history[-2 * span: -span]) if n > span else -np.inf
-                plateau = recent <= before
-                self.mi_below = self.mi_below + 1 if (low and plateau) else 0
+                self.mi_below = self.mi_below + 1 if (low and (not self.mi_needs_plateau or self._plateau())) else 0
                 mi_collapse = self.mi_below >= self.mi_window
         return {
             "early_stop/consecutive_empty_after_filter_steps": float(self.consecutive_empty),
@@ -107,6 +106,14 @@ class EarlyStop:
             "early_stop/mi_below_steps": float(self.mi_below),
             "early_stop/mi_collapse": float(mi_collapse),
         }
+
+    def _plateau(self) -> bool:
+        """Mean return over the last ``mi_window`` MI computations' steps not above the mean over as
+        many steps before them."""
+        n = len(self.return_history)
+        span = max(1, n - self.mi_history[-self.mi_window][0]) if len(self.mi_history) >= self.mi_window else n
+        before = np.mean(self.return_history[-2 * span: -span]) if n > span else -np.inf
+        return bool(np.mean(self.return_history[-span:]) <= before)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -121,8 +121,9 @@ class TrainerConfig:
     reward_collapse_window: int = 10
     reward_collapse_ratio: float = 0.1
     stop_on_mi_collapse: bool = False
-    mi_collapse_ratio: float = 0.5  # MI below this fraction of its baseline ...
-    mi_collapse_window: int = 3  # ... for this many consecutive MI computations while reward plateaus
+    mi_collapse_ratio: float = 0.7  # MI below this fraction of its baseline ...
+    mi_collapse_window: int = 3  # ... for this many consecutive MI computations
+    mi_collapse_needs_plateau: bool = False  # ... and, if set, while the return plateaus
     stop_on_success: float = 0.0  # stop once validation success >= this (0 = never)
     time_limit_minutes: float = 0.0
 

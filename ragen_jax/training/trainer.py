@@ -230,7 +230,8 @@ class HostState:
         t = spec.config.trainer
         early = EarlyStop(baseline_steps=t.reward_collapse_baseline_steps, window=t.reward_collapse_window,
                           ratio=t.reward_collapse_ratio, mi_ratio=t.mi_collapse_ratio,
-                          mi_window=t.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps)
+                          mi_window=t.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps,
+                          mi_needs_plateau=t.mi_collapse_needs_plateau)
         history = {"train": [], "val": [], "val_puzzles": [], "timing": [], "quadrant": [], "warmup_val": None,
                    "title": f"{spec.env_name} / {spec.preset}"}
         return cls(early, history, {})

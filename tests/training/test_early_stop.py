@@ -26,21 +26,40 @@ def test_reward_variance_collapse_needs_window_consecutive_low_steps():
     assert [m["early_stop/reward_variance_collapse"] for m in early] == [0, 0, 0]
 
 
-def test_mi_collapse_needs_low_mi_and_a_reward_plateau():
+def test_mi_collapse_needs_window_consecutive_low_computations():
     def steps(mis, returns):
         return [(0, 1.0, r, m) for m, r in zip(mis, returns)]
 
-    # Baseline MI 1.0 over 2 computations; threshold 0.5; window 2; flat reward: fires at the 2nd low one.
-    flat = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.2, 0.2], [0.5] * 4))
+    # Baseline MI 1.0 over 2 computations; threshold 0.7; window 2: fires at the 2nd low one, whatever
+    # the reward does (a template collapse need not wait for the return to stop moving).
+    for returns in ([0.5] * 5, [0.1, 0.2, 0.3, 0.4, 0.5], [0.5, 0.4, 0.3, 0.2, 0.1]):
+        fired = run(EarlyStop(mi_ratio=0.7, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.6, 0.6, 0.6], returns))
+        assert [m["early_stop/mi_collapse"] for m in fired] == [0, 0, 0, 1, 1]
+    # MI at or above the threshold never counts (strictly below); a computation back above it resets
+    # the count; steps without a computation (None, NaN) are skipped, not counted as low.
+    high = run(EarlyStop(mi_ratio=0.7, mi_window=2, mi_baseline=2),
+               steps([1.0, 1.0, 0.7, 0.5, 0.9, 0.5, None, float("nan"), 0.8], [0.5] * 9))
+    assert [m["early_stop/mi_collapse"] for m in high] == [0] * 9
+    assert [m["early_stop/mi_below_steps"] for m in high] == [0, 0, 0, 1, 0, 1, 1, 1, 0]
+    # The default threshold is 0.7 of the baseline: 0.69 counts, 0.71 does not.
+    assert run(EarlyStop(mi_window=1, mi_baseline=1), steps([1.0, 0.69], [0, 0]))[-1]["early_stop/mi_collapse"] == 1
+    assert run(EarlyStop(mi_window=1, mi_baseline=1), steps([1.0, 0.71], [0, 0]))[-1]["early_stop/mi_collapse"] == 0
+
+
+def test_mi_collapse_with_the_plateau_condition_waits_for_the_return_to_stop_rising():
+    def steps(mis, returns):
+        return [(0, 1.0, r, m) for m, r in zip(mis, returns)]
+
+    kw = dict(mi_ratio=0.5, mi_window=2, mi_baseline=2, mi_needs_plateau=True)
+    flat = run(EarlyStop(**kw), steps([1.0, 1.0, 0.2, 0.2], [0.5] * 4))
     assert [m["early_stop/mi_collapse"] for m in flat] == [0, 0, 0, 1]
-    # The same MI drop while the reward keeps climbing is not collapse (the policy is still improving).
-    rising = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.2, 0.2], [0.1, 0.2, 0.3, 0.4]))
+    # The same MI drop while the reward keeps climbing is not flagged.
+    rising = run(EarlyStop(**kw), steps([1.0, 1.0, 0.2, 0.2], [0.1, 0.2, 0.3, 0.4]))
     assert [m["early_stop/mi_collapse"] for m in rising] == [0, 0, 0, 0]
-    # MI at or above the threshold never counts; steps without a computation (None, NaN) are skipped.
-    high = run(EarlyStop(mi_ratio=0.5, mi_window=2, mi_baseline=2), steps([1.0, 1.0, 0.5, None, float("nan"), 0.6],
-                                                                          [0.5] * 6))
-    assert [m["early_stop/mi_collapse"] for m in high] == [0] * 6
-    assert [m["early_stop/mi_below_steps"] for m in high] == [0] * 6
+    # MI computed every step, window 2: the plateau compares the last step's return with the one
+    # before; from the first repeated 0.4 on the count runs.
+    stalls = run(EarlyStop(**kw), steps([1.0, 1.0, 0.2, 0.2, 0.2, 0.2], [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]))
+    assert [m["early_stop/mi_below_steps"] for m in stalls] == [0, 0, 0, 0, 1, 2]
 
 
 def test_state_round_trips_exactly():
