@@ -166,24 +166,25 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
 
 def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
                    block_size: int, cache_block: int = 0) -> jax.Array:
-    """Attention of new queries over layer ``layer`` of a KV cache, one block of queries at a time.
+    """Attention of new queries over layer ``layer`` of a KV cache.
 
     q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, S, K, Hd] -> [B, T, H, Hd];
-    query [b, t] sees the slots ``<= positions[b, t]``. A prefill chunk of T tokens over an S-slot
-    cache would hold [B, H, T, S] float32 scores at once (~9 GB for 128 rows of a 300-token turn over
-    4,096 slots of a 14-head model); blocks of ``block_size`` queries bound that to [B, H, block, S].
-    Decoding (T = 1) is one block. Each block reads only the cache slots up to its furthest position
-    (``_attend_filled``).
+    query [b, t] sees the slots ``<= positions[b, t]``. A cache longer than one cache block
+    (``cache_block``) is read block by block, and only up to the furthest position
+    (``_attend_filled``), which also bounds the scores to [B, H, T, cache block]. A shorter one is
+    read whole, ``block_size`` queries at a time: a prefill chunk of T tokens would otherwise hold
+    [B, H, T, S] float32 scores at once. Decoding (T = 1) is one block.
     """
     T, S = q.shape[1], cache.k.shape[2]
     if S > cache_block_slots(cache_block):
-        # Blocks of cache slots bound the scores to [B, H, T, cache block] already: one pass for all queries.
         return _attend_filled(q, cache, layer, positions, cache_block)
+    k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
     block = T if block_size <= 0 else block_size
     outs = []
     for start in range(0, T, block):
         end = min(start + block, T)
-        outs.append(_attend_filled(q[:, start:end], cache, layer, positions[:, start:end], cache_block))
+        mask = jnp.arange(S)[None, None, :] <= positions[:, start:end, None]
+        outs.append(_attend(q[:, start:end], k, v, mask))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -196,7 +197,8 @@ def cache_block_slots(cache_block: int) -> int:
 
 def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
                    cache_block: int = 0) -> jax.Array:
-    """``_attend`` over the cache slots ``0 .. max(positions)`` only, in blocks of ``cache_block`` slots.
+    """``_attend`` over the cache slots ``0 .. max(positions)`` only, in blocks of ``cache_block`` slots
+    (a cache of more than one block).
 
     A rollout's cache is sized for the whole conversation, but a turn's queries see only what has been
     written so far: decoding the first reply of a 5-turn episode would otherwise read (and lay out for
@@ -209,9 +211,6 @@ def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     B, T, H, Hd = q.shape
     S, K = cache.k.shape[2], cache.k.shape[3]
     block = cache_block_slots(cache_block)
-    if S <= block:
-        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
-        return _attend(q, cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype), mask)
     qg = q.reshape(B, T, K, H // K, Hd)
     # The last block starts at S - block when S is not a whole number of blocks: it then overlaps the
     # one before, and the slots that block already counted are masked out of it below.

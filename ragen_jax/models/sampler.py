@@ -101,7 +101,7 @@ def _check_batch(name: str, x: Array, batch: int, ndim: int = 1):
 # Prefill
 
 
-def prefill(model, cache, tokens: Array, start: Array, length: Array) -> tuple[Array, Any]:
+def prefill(model, cache, tokens: Array, start: Array, length: Array, pieces: int = 1) -> tuple[Array, Any]:
     """Write one fixed-size chunk per row into the cache; return each row's last-token logits.
 
     Args:
@@ -110,6 +110,11 @@ def prefill(model, cache, tokens: Array, start: Array, length: Array) -> tuple[A
       tokens: int32 [B, C] chunk per row; entries at and past ``length[b]`` are padding.
       start: int32 [B] cache slot (== position) of each row's first chunk token.
       length: int32 [B] valid tokens per row, 0 <= length <= C.
+      pieces: run the chunk as this many consecutive pieces of ``ceil(C / pieces)`` tokens and skip
+        the pieces that no row reaches. A chunk is sized for the longest block it may ever hold (a
+        multi-turn rollout's user block: the longest reward text, warning and board), while most
+        blocks are much shorter; the skipped pieces are work the model never needed. Same result
+        as one piece up to float rounding (each piece attends to the ones written before it).
 
     Returns:
       last_logits: float32 [B, V] logits at each row's token ``length[b] - 1``; zeros for rows with
@@ -126,6 +131,9 @@ def prefill(model, cache, tokens: Array, start: Array, length: Array) -> tuple[A
     _check_batch("start", start, batch)
     _check_batch("length", length, batch)
 
+    if pieces > 1 and chunk > 1:
+        return _prefill_in_pieces(model, cache, tokens, start, length, pieces)
+
     graphdef, state = _split_model(model)
     decoder = nnx.merge(graphdef, state)
     positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
@@ -135,6 +143,32 @@ def prefill(model, cache, tokens: Array, start: Array, length: Array) -> tuple[A
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     logits = decoder.logits(h_last)[:, 0].astype(jnp.float32)  # [B, V]
     logits = jnp.where((length > 0)[:, None], logits, 0.0)
+    return logits, cache
+
+
+def _prefill_in_pieces(model, cache, tokens: Array, start: Array, length: Array, pieces: int):
+    """``prefill`` as a scan over ``pieces`` pieces of the chunk, a piece no row reaches skipped."""
+    batch, chunk = tokens.shape
+    size = -(-chunk // pieces)
+    n = -(-chunk // size)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * size - chunk)))
+    graphdef, state = _split_model(model)
+    vocab = nnx.merge(graphdef, state).cfg.vocab_size
+
+    def piece(carry, j):
+        def run(carry):
+            logits, cache = carry
+            first = j * size
+            n_here = jnp.clip(length - first, 0, size)
+            new, cache = prefill((graphdef, state), cache, jax.lax.dynamic_slice_in_dim(tokens, first, size, axis=1),
+                                 start + first, n_here)
+            # A row's last token lies in the last piece that holds any of its tokens.
+            return jnp.where((n_here > 0)[:, None], new, logits), cache
+
+        return jax.lax.cond(jnp.any(length > j * size), run, lambda c: c, carry), None
+
+    init = (jnp.zeros((batch, vocab), jnp.float32), cache)
+    (logits, cache), _ = jax.lax.scan(piece, init, jnp.arange(n))
     return logits, cache
 
 

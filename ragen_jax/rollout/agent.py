@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ragen_jax.models.kv_cache import KVCache, init_cache
+from ragen_jax.models.kv_cache import KVCache, broadcast_cache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.models.sharding import cache_shardings
 from ragen_jax.rollout import codec as codec_lib
@@ -91,10 +91,13 @@ class RolloutConfig:
     reward_decimals: int = 1
     reward_limit: float = 50.0
     max_obs_tokens: int | None = None  # observation token budget; None: measured on random states
+    # The user block's chunk is sized for the longest block any turn may hold; it is prefilled in
+    # this many pieces, and the pieces no row reaches are skipped (1 = one piece, never skipped).
+    prefill_pieces: int = 4
 
     def __post_init__(self):
         for name in ("num_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                     "max_new_tokens", "max_seq_len", "context_window"):
+                     "max_new_tokens", "max_seq_len", "context_window", "prefill_pieces"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"rollout.{name} must be a positive int, got {v!r}")
@@ -422,11 +425,12 @@ class Rollout:
         c, cd = self.config, self.codec
         B, L = env_keys.shape[0], c.max_seq_len
         _, state = self._reset_batch(env_keys)
-        cache = init_cache(nnx.merge(*model).cfg, B, self.cache_len)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
-        _, cache = prefill(model, cache, jnp.broadcast_to(pre, (B, P0)), jnp.zeros((B,), jnp.int32),
-                           jnp.full((B,), P0, jnp.int32))
+        # Every row opens with the same system prompt: prefill it once, then give each row a copy.
+        _, one = prefill(model, init_cache(nnx.merge(*model).cfg, 1, self.cache_len), pre[None],
+                         jnp.zeros((1,), jnp.int32), jnp.full((1,), P0, jnp.int32))
+        cache = broadcast_cache(one, B)
         if self.placement is not None:
             cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.placement.mesh))
         return self._constrain_carry(TurnCarry(
@@ -454,7 +458,7 @@ class Rollout:
         block = self._user_block(carry, t)
         active = block.active
         cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
-        last_logits, cache = prefill(model, cache, chunk, cache_pos, clen)
+        last_logits, cache = prefill(model, cache, chunk, cache_pos, clen, c.prefill_pieces)
         buf = _write(carry.buf, carry.pos, block.chunk, block.length)
         # The close of the previous assistant message (piece 0) belongs to the previous turn.
         turn_ids = _write(carry.turn_ids, carry.pos, jnp.where(block.source == 0, t - 1, t), block.length)
@@ -526,7 +530,7 @@ class Rollout:
         ftok = jnp.zeros((B, N), jnp.int32).at[:, : forced.tokens.shape[2]].set(forced.tokens[:, t])
         rlen = jnp.where(active, forced.lengths[:, t], 0)
         ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
-        _, cache = prefill(model, cache, ftok, start, rlen)
+        _, cache = prefill(model, cache, ftok, start, rlen, c.prefill_pieces)
         return ftok, rlen, jnp.zeros((B, N), jnp.float32), cache, keys
 
     def _parse(self, reply, rlen, gen_start):

@@ -215,12 +215,15 @@ def run_turn(model, cache, chunk, start, length, active, keys, sampling, stop_id
 run_turn_jit = jax.jit(run_turn, static_argnums=10)
 
 
-def test_ragged_prefill_and_greedy_generate_match_full_recompute():
+# pieces=3: the 7-token chunk runs as pieces of 3; with the shorter lengths no row reaches the
+# last piece, which is skipped.
+@pytest.mark.parametrize("pieces,lengths", [(1, [7, 4, 1, 5]), (3, [7, 4, 1, 5]), (3, [2, 3, 1, 6])])
+def test_ragged_prefill_and_greedy_generate_match_full_recompute(pieces, lengths):
     cfg, model = tiny_model()
     rng = np.random.default_rng(4)
     batch, chunk, n = 4, 7, 9
     starts = np.array([0, 3, 5, 0], np.int32)  # rows continue from different cache positions
-    lengths = np.array([7, 4, 1, 5], np.int32)
+    lengths = np.array(lengths, np.int32)
     history = [list(rng.integers(0, cfg.vocab_size, s)) for s in starts]
     chunks = rng.integers(0, cfg.vocab_size, (batch, chunk)).astype(np.int32)
 
@@ -231,7 +234,7 @@ def test_ragged_prefill_and_greedy_generate_match_full_recompute():
         hist[b, : len(h)] = h
     graph = nnx.split(model)
     _, cache = jax.jit(prefill)(graph, cache, hist, np.zeros(batch, np.int32), starts)
-    last_logits, cache = jax.jit(prefill)(graph, cache, chunks, starts, lengths)
+    last_logits, cache = jax.jit(prefill, static_argnums=5)(graph, cache, chunks, starts, lengths, pieces)
     for b in range(batch):
         prompt = history[b] + list(chunks[b, : lengths[b]])
         np.testing.assert_allclose(np.asarray(last_logits[b]), full_logits(model, prompt), atol=1e-4, rtol=1e-4)
