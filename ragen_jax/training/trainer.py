@@ -512,7 +512,8 @@ def _early_stop_reason(spec: RunSpec, host: HostState, metrics: dict) -> str | N
     if t.stop_on_reward_collapse and metrics["early_stop/reward_variance_collapse"]:
         reason = "reward-variance collapse"
     if t.stop_on_mi_collapse and metrics["early_stop/mi_collapse"]:
-        reason = "MI collapse (MI below baseline while reward plateaus)"
+        reason = (f"MI collapse (MI below {t.mi_collapse_ratio} x its baseline for {t.mi_collapse_window} computations"
+                  + (" while the return plateaus)" if t.mi_collapse_needs_plateau else ")"))
     return reason
 
 
