@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 
 from ragen_jax.training.metrics import EarlyStop
+from ragen_jax.training.sections import TrainerConfig
 
 
 def run(early, steps):
@@ -74,8 +75,8 @@ def test_trainer_stops_only_when_the_switch_is_on():
     from ragen_jax.training.trainer import _early_stop_reason
 
     def spec(**switches):
-        t = types.SimpleNamespace(**{"stop_on_empty_filter": False, "stop_on_reward_collapse": False,
-                                     "stop_on_mi_collapse": False, **switches})
+        t = TrainerConfig(**{"stop_on_empty_filter": False, "stop_on_reward_collapse": False,
+                             "stop_on_mi_collapse": False, **switches})
         return types.SimpleNamespace(config=types.SimpleNamespace(trainer=t),
                                      filter=types.SimpleNamespace(empty_stop_steps=2))
 
@@ -84,7 +85,9 @@ def test_trainer_stops_only_when_the_switch_is_on():
     assert _early_stop_reason(spec(), host, fired) is None
     assert "empty" in _early_stop_reason(spec(stop_on_empty_filter=True), host, fired)
     assert "reward" in _early_stop_reason(spec(stop_on_reward_collapse=True), host, fired).lower()
-    assert "mi" in _early_stop_reason(spec(stop_on_mi_collapse=True), host, fired).lower()
+    assert "MI collapse (MI below 0.7 x its baseline for 3 computations)" == _early_stop_reason(
+        spec(stop_on_mi_collapse=True), host, fired)
+    assert "plateaus" in _early_stop_reason(spec(stop_on_mi_collapse=True, mi_collapse_needs_plateau=True), host, fired)
     host.early.consecutive_empty = 1
     quiet = {"early_stop/reward_variance_collapse": 0.0, "early_stop/mi_collapse": 0.0}
     assert _early_stop_reason(spec(stop_on_empty_filter=True, stop_on_reward_collapse=True, stop_on_mi_collapse=True),
