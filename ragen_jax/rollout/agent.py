@@ -91,8 +91,9 @@ class RolloutConfig:
     reward_decimals: int = 1
     reward_limit: float = 50.0
     max_obs_tokens: int | None = None  # observation token budget; None: measured on random states
-    # The user block's chunk is sized for the longest block any turn may hold; it is prefilled in
-    # this many pieces, and the pieces no row reaches are skipped (1 = one piece, never skipped).
+    # The user block's chunk is sized for the longest block any turn may hold (a replayed reply's
+    # for the longest reply); both are prefilled in this many pieces, and the pieces no row reaches
+    # are skipped (1 = one piece, never skipped).
     prefill_pieces: int = 4
 
     def __post_init__(self):
