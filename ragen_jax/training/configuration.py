@@ -57,6 +57,17 @@ def _fail(msg: str):
     raise ConfigError(msg)
 
 
+def section_classes() -> dict[str, type]:
+    """Config section name -> the frozen dataclass whose fields are that section's keys."""
+    from ragen_jax.rollout.agent import RolloutConfig
+    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+    from ragen_jax.training import sections
+
+    return dict(model=sections.ModelSection, trainer=sections.TrainerConfig, warmup=sections.WarmupConfig,
+                eval=sections.EvalConfig, mesh=sections.MeshConfig, rollout=RolloutConfig,
+                starpo=StarPOConfig, filter=FilterConfig, collapse=CollapseConfig)
+
+
 def _choice(key: str, value, allowed) -> None:
     if value not in allowed:
         _fail(f"{key}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
@@ -120,10 +131,10 @@ def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
 
 def resolve(config: ConfigDict) -> RunSpec:
     """Validate ``config`` and fill the preset-dependent placeholders. Raises ``ConfigError``."""
-    from ragen_jax.rollout.agent import RolloutConfig
-    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig, check_keys
+    from ragen_jax.starpo.config import check_keys
     from ragen_jax.training import sections
 
+    cls = section_classes()
     config = ConfigDict(config.to_dict())  # a private copy, placeholders included
     try:
         check_keys("config", config, sections.TOP_LEVEL_KEYS)
@@ -137,11 +148,9 @@ def resolve(config: ConfigDict) -> RunSpec:
               "logs and transcripts); pass another path with --config.workdir=...")
 
     # Trainer-side sections: unknown keys (typos inside a config file too) and bad values.
-    _build("model", sections.ModelSection, config.model.to_dict())
-    _build("trainer", sections.TrainerConfig, config.trainer.to_dict())
-    warmup = _build("warmup", sections.WarmupConfig, config.warmup.to_dict())
-    _build("eval", sections.EvalConfig, config.eval.to_dict())
-    _build("mesh", sections.MeshConfig, config.mesh.to_dict())
+    trainer_side = {name: _build(name, cls[name], config[name].to_dict())
+                    for name in ("model", "trainer", "warmup", "eval", "mesh")}
+    warmup = trainer_side["warmup"]
 
     # Model preset and path.
     preset = config.model.preset
@@ -171,10 +180,8 @@ def resolve(config: ConfigDict) -> RunSpec:
     env_name, env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
 
     # Parts (their from_dict validates unknown keys and registry names).
-    rollout = _build("rollout", RolloutConfig, config.rollout.to_dict())
-    starpo = _build("starpo", StarPOConfig, config.starpo.to_dict())
-    filt = _build("filter", FilterConfig, config.filter.to_dict())
-    collapse = _build("collapse", CollapseConfig, config.collapse.to_dict())
+    rollout, starpo, filt, collapse = (_build(name, cls[name], config[name].to_dict())
+                                       for name in ("rollout", "starpo", "filter", "collapse"))
     if starpo.logprob_temperature is None and rollout.temperature > 0:  # 0 is refused below
         # Score the ratio's log-probs at the temperature the rollout sampled at (verl's convention).
         starpo = dataclasses.replace(starpo, logprob_temperature=float(rollout.temperature))

@@ -17,6 +17,7 @@ it and decides:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -57,10 +58,32 @@ def config_as_json(config) -> dict:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
+def section_defaults() -> dict[str, Any]:
+    """Every section key at its dataclass default, flattened as ``config.json`` stores it."""
+    from ragen_jax.training.configuration import section_classes
+
+    defaults = {}
+    for name, cls in section_classes().items():
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                defaults[f"{name}.{f.name}"] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[f"{name}.{f.name}"] = f.default_factory()
+    return flatten(json.loads(json.dumps(defaults)))  # tuples -> lists, nested dicts -> dotted keys
+
+
 def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """``(key, saved value, current value)`` for every key whose value differs (missing = ``<unset>``)."""
+    """``(key, saved value, current value)`` for every key whose value differs (missing = ``<unset>``).
+
+    A key the saved config lacks (a run written before the key existed) counts as unchanged while
+    it holds its default: a key is added with the default that keeps the earlier behaviour.
+    """
     a, b = flatten(saved), flatten(current)
     missing = "<unset>"
+    defaults = section_defaults()
+    for k in set(b) - set(a):
+        if k in defaults and defaults[k] == b[k]:
+            a[k] = b[k]
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if a.get(k, missing) != b.get(k, missing)]
 

@@ -87,6 +87,19 @@ def test_safe_changes_resume_and_are_reported(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["trainer"]["total_steps"] == 300
 
 
+def test_a_key_added_after_the_run_resumes_at_its_default_only(tmp_path):
+    """A run saved before ``rollout.prefill_pieces`` existed (its config.json lacks the key)."""
+    saved = config_as_json(_config(tmp_path))
+    del saved["rollout"]["prefill_pieces"]
+    (tmp_path / "checkpoints" / "25").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    # At the default (4, RolloutConfig's), the resumed run computes what the saved one did.
+    assert prepare_training_workdir(_config(tmp_path)) == (True, [])
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"rollout\.prefill_pieces: '<unset>' -> 2"):
+        prepare_training_workdir(_config(tmp_path, **{"rollout.prefill_pieces": 2}))
+
+
 def test_eval_with_another_envs_config_is_refused(tmp_path):
     _fake_run(tmp_path, _config(tmp_path))
     with pytest.raises(ConfigError, match=r"env\.size: 4 -> 3"):
