@@ -1,6 +1,7 @@
 """``ragen_jax.compare``: variants, the statistics against hand-worked values, the report against a
 NumPy re-derivation, and a real comparison whose runs share one cached warm-up."""
 import copy
+import itertools
 import json
 import math
 
@@ -57,6 +58,7 @@ def test_paired_test_hand_worked():
     assert t["se"] == pytest.approx(np.std([1, 1, -1, 0], ddof=1) / 2)
     assert 0.5 < t["p"] <= 1.0
     assert cmp.paired_test(np.ones(5), np.ones(5))["p"] == 1.0
+    assert cmp.paired_test(np.ones(5), np.ones(5))["p_mean"] == 1.0
     with pytest.raises(ConfigError, match="different puzzle sets"):
         cmp.paired_test(np.ones(5), np.ones(4))
     assert math.isnan(cmp.mean_se([0.5])[1])  # one seed: no spread to report
@@ -206,3 +208,22 @@ def test_cli_refuses_a_bad_variant_before_running_anything(tmp_path):
     assert "Configuration error: unknown config key 'filter.vale'" in p.stderr, p.stderr[-1500:]
     assert "Did you mean value" in p.stderr
     assert not any(tmp_path.iterdir())  # no run was started
+
+
+def test_sign_flip_p_hand_worked_and_against_enumeration():
+    # +1 three times: of the 8 sign patterns, 2 reach |total| >= 3.
+    assert cmp.sign_flip_p([1, 1, 1, 0]) == pytest.approx(2 / 8)
+    # +1, +0.5: totals ±1.5 and ±0.5, so 2 of 4 reach 1.5.
+    assert cmp.sign_flip_p([1, 0.5]) == pytest.approx(2 / 4)
+    assert cmp.sign_flip_p([1, 1, -1]) == 1.0  # every pattern reaches |total| >= 1
+    # Nine puzzles gained by one seed in three, two lost by all three (mean +1/11): each puzzle
+    # counts by its difference, checked against an enumeration of all 2^11 sign patterns.
+    d = np.r_[np.full(9, 1 / 3), -np.ones(2)]
+    totals = np.abs(np.array(list(itertools.product((-1, 1), repeat=d.size))) @ d)
+    assert cmp.sign_flip_p(d) == pytest.approx(np.mean(totals >= abs(d.sum()) - 1e-12))
+    # Past 16 differences the p-value is drawn from seeded random patterns: it matches the exact
+    # enumeration (2^18 patterns here) within Monte-Carlo error, and is the same on every call.
+    d = np.r_[np.full(12, 1 / 3), -np.full(3, 2 / 3), -np.ones(3)]
+    exact = np.mean(np.abs(np.array(list(itertools.product((-1, 1), repeat=d.size))) @ d) >= abs(d.sum()) - 1e-12)
+    assert cmp.sign_flip_p(d) == pytest.approx(exact, abs=0.01)
+    assert cmp.sign_flip_p(d) == cmp.sign_flip_p(d)
