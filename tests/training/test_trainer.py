@@ -1,24 +1,18 @@
 """End-to-end: warm-up → StarPO steps → TensorBoard → checkpoints → exact resume → eval JSONL.
 
 All runs use the tiny preset on FrozenLake with very small sizes and fixed seeds, so every run of
-this file sees the same numbers. Compiled programs go to a persistent XLA cache shared by the runs
-(the interrupted and resumed runs then skip compilation).
+this file sees the same numbers. Compiled programs go to the session's persistent XLA cache
+(``tests/conftest.py``): the interrupted and resumed runs then skip compilation.
 """
 import json
 import math
-import os
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
 from configs import frozen_lake
 from ragen_jax.training.configuration import resolve
 from ragen_jax.training.logging import read_events, read_scalars
-
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/ragen_jax/xla-tests"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def small_config(workdir, total_steps, **over):
