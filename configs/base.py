@@ -23,7 +23,6 @@ are 1e-6 / 1e-5 (spec §5.6) for pretrained presets and larger for the from-scra
 """
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 from ml_collections import ConfigDict, config_dict
@@ -35,13 +34,10 @@ def dataclass_section(cls, **overrides) -> ConfigDict:
     Building sections from the part's own dataclass keeps the keys in one place: a field added
     there is immediately overridable from the command line.
     """
+    from ragen_jax.starpo.config import field_defaults
+
     hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            values[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            values[f.name] = f.default_factory()
+    values = field_defaults(cls)
     unknown = sorted(set(overrides) - set(values))
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields: {sorted(values)}")

@@ -195,8 +195,9 @@ def sign_flip_p(d, draws: int = 20000, seed: int = 0) -> float:
     """Two-sided paired permutation p-value of the mean difference ``d`` (``[puzzles]``): how often
     flipping the signs of the differences gives a total at least as far from 0 as the observed one.
     Exact over all sign patterns up to 16 non-zero differences, else ``draws`` seeded random patterns
-    (``(1 + hits) / (1 + draws)``). Unlike Wilcoxon's ranks it weighs each puzzle by its difference,
-    so many small gains (one seed in three) are not outranked by fewer large losses."""
+    (``(1 + hits) / (1 + draws)``). It tests the mean difference the report prints beside it;
+    Wilcoxon's test ranks the differences, which with success averaged over a few seeds (steps of
+    1/3) can disagree with the mean's direction."""
     d = np.asarray(d, np.float64)
     d = d[d != 0]
     if d.size == 0:

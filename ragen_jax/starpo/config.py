@@ -36,6 +36,17 @@ def section_from_dict(cls, section: str, values: Any):
     return cls(**dict(values))
 
 
+def field_defaults(cls) -> dict[str, Any]:
+    """A config dataclass's keys at their defaults (fields without one are left out)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    return values
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -17,7 +17,6 @@ it and decides:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -60,15 +59,10 @@ def config_as_json(config) -> dict:
 
 def section_defaults() -> dict[str, Any]:
     """Every section key at its dataclass default, flattened as ``config.json`` stores it."""
+    from ragen_jax.starpo.config import field_defaults
     from ragen_jax.training.configuration import section_classes
 
-    defaults = {}
-    for name, cls in section_classes().items():
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                defaults[f"{name}.{f.name}"] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                defaults[f"{name}.{f.name}"] = f.default_factory()
+    defaults = {name: field_defaults(cls) for name, cls in section_classes().items()}
     return flatten(json.loads(json.dumps(defaults)))  # tuples -> lists, nested dicts -> dotted keys
 
 
