@@ -1,7 +1,7 @@
 """End-to-end: warm-up → StarPO steps → TensorBoard → checkpoints → exact resume → eval JSONL.
 
 All runs use the tiny preset on FrozenLake with very small sizes and fixed seeds, so every run of
-this file sees the same numbers. Compiled programs go to the session's persistent XLA cache
+this file sees the same numbers. Compiled programs go to the tests' persistent XLA cache
 (``tests/conftest.py``): the interrupted and resumed runs then skip compilation.
 """
 import json
