@@ -20,8 +20,8 @@ After every run the report is rewritten:
   first one, or ``--baseline``) and against the warm-up alone (validation before RL, the same
   puzzles), each with a Wilcoxon signed-rank p-value and a sign-flip permutation p-value of the mean
   difference over the validation puzzles (a puzzle's value is its success averaged over seeds and
-  attempts); the StarPO step time (mean over steps after
-  the first, which compiles) split into rollout and update, and the rows kept by the SNR filter;
+  attempts); the StarPO step time (mean over steps after the first, which compiles) split into
+  rollout and update, and the rows kept by the SNR filter;
 * ``<out>/comparison.png``: validation success against step (mean ± SE over seeds, the warm-up
   as a dashed line) and the step time per variant.
 
