@@ -33,7 +33,7 @@ setup(
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; pinned to the CPU wheel.
-        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
                  "gymnax>=1.0.1", "datasets>=3", "bm25s>=0.2", "textworld>=1.6"],
         # The Python text environments: dataset files (math QA, Search QA), BM25 retrieval, TextWorld.
         "envs": ["datasets>=3", "bm25s>=0.2", "textworld>=1.6"],
