@@ -32,7 +32,8 @@ from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
 MI_KEY = "collapse_first_turn_sample/mi_estimate"
 COND_ENT_KEY = "collapse_first_turn_sample/conditional_entropy_est"
-REGIME_KEY = "collapse_first_turn_sample/regime"
+SAMPLE_COMPUTED_KEY = "collapse_first_turn_sample/computed"
+MI_SAMPLES = ("collapse_first_turn_sample/", "collapse_trajectory_sample/")
 
 
 class StopTraining(Exception):
@@ -70,13 +71,16 @@ def with_base(saved, fresh):
 
 
 def _mi_values(metrics: dict) -> tuple[float | None, float | None, bool]:
-    """(MI, H(Z|X), computed-this-step) from the update metrics."""
-    computed = bool(metrics.get("collapse/computed", 0.0))
-    mi = metrics.get(MI_KEY)
-    ce = metrics.get(COND_ENT_KEY)
+    """(MI, H(Z|X), computed-this-step) of the first-turn sample from the update metrics.
+
+    A step that ran the diagnostic but found fewer than two distinct prompts with a parseable
+    reasoning (``collapse_first_turn_sample/computed`` 0: a policy whose replies stopped parsing)
+    has no estimate: its zeros are not an MI of 0, so neither the alert nor the quadrant sees them.
+    """
+    computed = bool(metrics.get("collapse/computed", 0.0)) and bool(metrics.get(SAMPLE_COMPUTED_KEY, 0.0))
     if not computed:
         return None, None, False
-    return mi, ce, True
+    return metrics.get(MI_KEY), metrics.get(COND_ENT_KEY), True
 
 
 def _save_curve(path: Path, history: dict) -> None:
@@ -207,11 +211,18 @@ def setup(spec: RunSpec, placement=None) -> Setup:
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
-    """MI-proxy metrics are zeros on steps where they were not computed: do not log those."""
-    if metrics.get("collapse/computed", 0.0):
-        return metrics
-    return {k: v for k, v in metrics.items()
-            if not k.startswith(("collapse_first_turn_sample/", "collapse_trajectory_sample/"))}
+    """MI-proxy metrics are zeros on steps where they were not computed (not this step's turn, or
+    too few parseable reasonings in a sample): do not log those. A sample that ran but had too few
+    keeps its ``computed`` flag (0) and its counts, so the gap in its curves is explained."""
+    ran = bool(metrics.get("collapse/computed", 0.0))
+    out = {}
+    for k, v in metrics.items():
+        sample = next((p for p in MI_SAMPLES if k.startswith(p)), None)
+        if sample is not None and not (ran and (metrics.get(sample + "computed", 0.0)
+                                               or k[len(sample):] in ("computed", "num_samples", "num_prompts"))):
+            continue
+        out[k] = v
+    return out
 
 
 @dataclasses.dataclass

@@ -92,3 +92,41 @@ def test_trainer_stops_only_when_the_switch_is_on():
     quiet = {"early_stop/reward_variance_collapse": 0.0, "early_stop/mi_collapse": 0.0}
     assert _early_stop_reason(spec(stop_on_empty_filter=True, stop_on_reward_collapse=True, stop_on_mi_collapse=True),
                               host, quiet) is None
+
+
+def test_a_computation_without_enough_parseable_reasonings_is_no_mi_reading():
+    """A policy whose replies stopped parsing leaves the MI proxy fewer than two prompts: the update
+    reports zeros with ``collapse_first_turn_sample/computed`` 0. The loop must neither count that
+    as an MI of 0 (a false collapse alert), nor plot it in the quadrant, nor log the zeros."""
+    from ragen_jax.training.trainer import HostState, _drop_uncomputed, _track
+
+    def metrics(mi, ran=True, parsed=True):
+        m = {"rollout/consecutive_empty_after_filter_steps": 0.0, "train/in_group_reward_std": 1.0,
+             "train/return": 0.5, "train/success": 0.5, "timing_s/rollout": 1.0, "timing_s/update": 1.0,
+             "collapse/computed": float(ran), "collapse/first_turn_valid_rate": 1.0 if parsed else 0.0}
+        ok = ran and parsed
+        for sample in ("collapse_first_turn_sample/", "collapse_trajectory_sample/"):
+            m.update({sample + "computed": float(ok), sample + "num_samples": 8.0 if ok else 0.0,
+                      sample + "num_prompts": 4.0 if ok else 0.0, sample + "mi_estimate": mi if ok else 0.0,
+                      sample + "conditional_entropy_est": 0.1 if ok else 0.0})
+        return m
+
+    host = HostState(EarlyStop(mi_ratio=0.7, mi_window=2, mi_baseline=2), {"train": [], "quadrant": []}, {})
+    # Baseline 1.0 over two readings, then three computations without a parseable reply, then one low
+    # reading: one low computation, not four.
+    sequence = [metrics(1.0), metrics(1.0), metrics(0.0, parsed=False), metrics(0.0, ran=False),
+                metrics(0.0, parsed=False), metrics(0.0, parsed=False), metrics(0.5)]
+    for step, m in enumerate(sequence, 1):
+        _track(None, host, step, m)
+    assert [m["early_stop/mi_below_steps"] for m in sequence] == [0, 0, 0, 0, 0, 0, 1]
+    assert [m["early_stop/mi_collapse"] for m in sequence] == [0] * 7
+    assert [q[0] for q in host.history["quadrant"]] == [1, 2, 7]
+    # Logged: the readings; for the unparseable computation only its flag and counts (zeros that
+    # explain the gap); nothing of the sample on a step that did not run it.
+    unparsed, skipped, reading = (_drop_uncomputed(sequence[i]) for i in (2, 3, 6))
+    assert reading["collapse_first_turn_sample/mi_estimate"] == 0.5
+    assert "collapse_first_turn_sample/mi_estimate" not in unparsed
+    assert unparsed["collapse_first_turn_sample/computed"] == 0.0
+    assert unparsed["collapse_trajectory_sample/num_prompts"] == 0.0
+    assert not any(k.startswith("collapse_first_turn_sample/") for k in skipped)
+    assert "collapse/first_turn_valid_rate" in skipped  # the cheap counters are logged every step
