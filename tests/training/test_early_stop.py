@@ -98,7 +98,7 @@ def test_a_computation_without_enough_parseable_reasonings_is_no_mi_reading():
     """A policy whose replies stopped parsing leaves the MI proxy fewer than two prompts: the update
     reports zeros with ``collapse_first_turn_sample/computed`` 0. The loop must neither count that
     as an MI of 0 (a false collapse alert), nor plot it in the quadrant, nor log the zeros."""
-    from ragen_jax.training.trainer import HostState, _drop_uncomputed, _track
+    from ragen_jax.training.trainer import HostState, _drop_uncomputed, _log_step, _track
 
     def metrics(mi, ran=True, parsed=True):
         m = {"rollout/consecutive_empty_after_filter_steps": 0.0, "train/in_group_reward_std": 1.0,
@@ -111,16 +111,32 @@ def test_a_computation_without_enough_parseable_reasonings_is_no_mi_reading():
                       sample + "conditional_entropy_est": 0.1 if ok else 0.0})
         return m
 
+    class Recorder:
+        def __init__(self):
+            self.images = []
+
+        def scalars(self, step, values):
+            pass
+
+        def image(self, step, tag, img):
+            self.images.append((step, tag))
+
+    spec = types.SimpleNamespace(config=types.SimpleNamespace(trainer=TrainerConfig(transcript_every=0)),
+                                 collapse=types.SimpleNamespace(baseline_steps=2, regime_mi_ratio=0.5,
+                                                                regime_entropy_ratio=0.5))
     host = HostState(EarlyStop(mi_ratio=0.7, mi_window=2, mi_baseline=2), {"train": [], "quadrant": []}, {})
+    logger = Recorder()
     # Baseline 1.0 over two readings, then three computations without a parseable reply, then one low
     # reading: one low computation, not four.
     sequence = [metrics(1.0), metrics(1.0), metrics(0.0, parsed=False), metrics(0.0, ran=False),
                 metrics(0.0, parsed=False), metrics(0.0, parsed=False), metrics(0.5)]
     for step, m in enumerate(sequence, 1):
-        _track(None, host, step, m)
+        _track(spec, host, step, m)
+        _log_step(spec, logger, step, m, None, host, None, None)
     assert [m["early_stop/mi_below_steps"] for m in sequence] == [0, 0, 0, 0, 0, 0, 1]
     assert [m["early_stop/mi_collapse"] for m in sequence] == [0] * 7
     assert [q[0] for q in host.history["quadrant"]] == [1, 2, 7]
+    assert logger.images == [(1, "collapse/quadrant"), (2, "collapse/quadrant"), (7, "collapse/quadrant")]
     # Logged: the readings; for the unparseable computation only its flag and counts (zeros that
     # explain the gap); nothing of the sample on a step that did not run it.
     unparsed, skipped, reading = (_drop_uncomputed(sequence[i]) for i in (2, 3, 6))
