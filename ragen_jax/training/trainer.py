@@ -34,6 +34,7 @@ MI_KEY = "collapse_first_turn_sample/mi_estimate"
 COND_ENT_KEY = "collapse_first_turn_sample/conditional_entropy_est"
 SAMPLE_COMPUTED_KEY = "collapse_first_turn_sample/computed"
 MI_SAMPLES = ("collapse_first_turn_sample/", "collapse_trajectory_sample/")
+SAMPLE_COUNTS = ("computed", "num_samples", "num_prompts")  # logged even when a sample had too few
 
 
 class StopTraining(Exception):
@@ -215,14 +216,14 @@ def _drop_uncomputed(metrics: dict) -> dict:
     too few parseable reasonings in a sample): do not log those. A sample that ran but had too few
     keeps its ``computed`` flag (0) and its counts, so the gap in its curves is explained."""
     ran = bool(metrics.get("collapse/computed", 0.0))
-    out = {}
-    for k, v in metrics.items():
-        sample = next((p for p in MI_SAMPLES if k.startswith(p)), None)
-        if sample is not None and not (ran and (metrics.get(sample + "computed", 0.0)
-                                               or k[len(sample):] in ("computed", "num_samples", "num_prompts"))):
-            continue
-        out[k] = v
-    return out
+
+    def keep(key: str) -> bool:
+        sample = next((p for p in MI_SAMPLES if key.startswith(p)), None)
+        if sample is None:
+            return True
+        return ran and (bool(metrics.get(sample + "computed", 0.0)) or key[len(sample):] in SAMPLE_COUNTS)
+
+    return {k: v for k, v in metrics.items() if keep(k)}
 
 
 @dataclasses.dataclass
