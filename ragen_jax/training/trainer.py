@@ -32,8 +32,8 @@ from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
 MI_KEY = "collapse_first_turn_sample/mi_estimate"
 COND_ENT_KEY = "collapse_first_turn_sample/conditional_entropy_est"
-SAMPLE_COMPUTED_KEY = "collapse_first_turn_sample/computed"
 MI_SAMPLES = ("collapse_first_turn_sample/", "collapse_trajectory_sample/")
+SAMPLE_COMPUTED_KEY = MI_SAMPLES[0] + "computed"  # the first-turn sample had a reading
 SAMPLE_COUNTS = ("computed", "num_samples", "num_prompts")  # logged even when a sample had too few
 
 
