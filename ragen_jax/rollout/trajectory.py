@@ -21,6 +21,10 @@ import jax.numpy as jnp
 from flax import struct
 
 
+# The per-position fields, [B, L]; every other field is per row or per turn.
+POSITION_FIELDS = ("tokens", "valid_mask", "loss_mask", "sampler_logprobs", "turn_ids", "token_rewards")
+
+
 @struct.dataclass
 class Trajectory:
     tokens: chex.Array  # int32 [B, L] conversation, right-padded with the pad id
@@ -74,3 +78,18 @@ class Trajectory:
     def lengths(self) -> chex.Array:
         """int32 [B] number of tokens in each row."""
         return jnp.sum(self.valid_mask, axis=-1).astype(jnp.int32)
+
+
+def trimmed_width(longest: int, seq_len: int, multiple: int) -> int:
+    """The width that keeps a batch whose longest row has ``longest`` tokens: ``longest`` rounded up
+    to a multiple of ``multiple``, at most ``seq_len`` (``multiple`` 0: ``seq_len``, no trimming)."""
+    if multiple <= 0:
+        return seq_len
+    return int(min(seq_len, max(multiple, -(-int(longest) // multiple) * multiple)))
+
+
+def trim(traj: Trajectory, width: int) -> Trajectory:
+    """The first ``width`` positions of every ``[B, L]`` field: only padding may be cut, so every row
+    must have at most ``width`` tokens (``trimmed_width`` of the longest). Spans and turn indices
+    point inside rows and are unchanged."""
+    return traj.replace(**{name: getattr(traj, name)[:, :width] for name in POSITION_FIELDS})

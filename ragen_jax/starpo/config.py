@@ -100,6 +100,11 @@ class StarPOConfig:
       separate (its own Decoder + value head); ``cliprange_value`` clips the value update.
     ``logprob_chunk_size``: positions per chunk when computing log-softmax over the vocabulary, so
       ``[B, L, V]`` logits are never materialised at once.
+    ``seq_len_multiple``: 0 = the update sees rows of the rollout's full width (``rollout.max_seq_len``);
+      N > 0 = the trainer first cuts the batch's padding past its longest row, keeping a multiple of
+      N positions (same result, less work when replies are short against a loose static bound; one
+      compiled update per distinct width, so keep N coarse). Not with
+      ``loss_agg_mode='seq-mean-token-sum-norm'``, whose constant normaliser is the row width.
     ``logprob_temperature``: the policy, reference and ratio are scored as ``softmax(logits / T)``
       (verl's convention), so the PPO ratio compares against the distribution the rollout sampled
       from; None = the rollout's ``temperature`` (resolved by the trainer's configuration), 1 for a
@@ -147,6 +152,7 @@ class StarPOConfig:
     cliprange_value: float = 0.5
     logprob_chunk_size: int = 256
     logprob_temperature: Optional[float] = None
+    seq_len_multiple: int = 0
 
     DEFAULT_MINI_BATCH_SIZE = 32
 
@@ -190,6 +196,13 @@ class StarPOConfig:
         _check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
+        _check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
+        _check(
+            not (self.seq_len_multiple and self.loss_agg_mode == "seq-mean-token-sum-norm"),
+            f"{s}.seq_len_multiple={self.seq_len_multiple} would change the row width that "
+            f"{s}.loss_agg_mode='seq-mean-token-sum-norm' divides by; set {s}.seq_len_multiple=0 or "
+            "use another loss_agg_mode.",
+        )
         if self.logprob_temperature is not None:
             _check_number(s, "logprob_temperature", self.logprob_temperature, 0.0, strict=True)
         for name in ("mini_batch_size", "num_mini_batches", "micro_batch_size"):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.configuration import RunSpec
 from ragen_jax.training.logging import Logger, quadrant_figure, to_host_scalars
@@ -294,7 +295,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     step, stop_reason = start_step, None
     for step in steps:
         train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
-                                                 spec.rollout.group_size)
+                                                 spec.rollout.group_size, spec.starpo.seq_len_multiple)
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
         _log_step(spec, logger, step, metrics, traj, host, run.tokenizer, run.placement)
@@ -326,26 +327,37 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     return _finish(spec, host, step, stop_reason, clock, write=main)
 
 
-def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int):
+def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0):
     """One StarPO iteration: rollout with the current policy, then the compiled update.
 
-    Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
+    ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
+    multiple of it (``starpo.seq_len_multiple``). Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
     """
     t0 = time.time()
     traj = run.rollout(_policy_params(train_state), key)
     rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     t1 = time.time()
+    width = trimmed_width(rollout_stats["sequence_length_max"], traj.seq_len, seq_len_multiple)
+    if width < traj.seq_len:
+        traj = _trim_program(run.placement, width)(traj)
     train_state, update_metrics = run.update(train_state, traj)
     update_metrics = _drop_uncomputed(to_host_scalars(run.placement.fetch(update_metrics)))
     t2 = time.time()
     metrics = {f"train/{k}": float(v) for k, v in rollout_stats.items()}
     metrics.update(update_metrics)
+    metrics["train/update_seq_len"] = float(width)  # the row width the update ran on
     metrics["timing_s/rollout"] = t1 - t0
     metrics["timing_s/update"] = t2 - t1
     metrics["timing_s/step"] = t2 - t0
     metrics["timing_s/tokens_per_s"] = float(rollout_stats["sampled_tokens"]) / max(t1 - t0, 1e-9)
     return train_state, traj, metrics
+
+
+@functools.lru_cache(maxsize=None)
+def _trim_program(placement, width: int):
+    """``trim(traj, width)`` as a program on the mesh (rows stay where they are)."""
+    return placement.jit(functools.partial(trim, width=width))
 
 
 @functools.lru_cache(maxsize=None)

@@ -537,3 +537,55 @@ def test_limited_context_covering_the_conversation_gives_the_full_update():
     assert tree_max_abs_diff(s_full.params, s_rows.params) < 1e-6
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/sampler_logprob_abs_diff_mean"):
         np.testing.assert_allclose(float(m_full[key]), float(m_rows[key]), rtol=1e-5, atol=1e-7)
+
+
+def test_trimmed_width_hand_worked():
+    from ragen_jax.rollout.trajectory import trimmed_width
+
+    assert trimmed_width(300, 512, 0) == 512          # off
+    assert trimmed_width(300, 512, 128) == 384        # rounded up to a multiple
+    assert trimmed_width(384, 512, 128) == 384        # already a multiple
+    assert trimmed_width(500, 512, 128) == 512        # never wider than the rollout's rows
+    assert trimmed_width(3, 512, 64) == 64
+
+
+def test_an_update_on_rows_cut_to_their_longest_equals_the_padded_update():
+    """``starpo.seq_len_multiple``: cutting the padding past the longest row (here 40 -> 16 positions)
+    changes nothing the update computes: parameters, losses and the MI proxy (every sample computed)."""
+    from ragen_jax.rollout.trajectory import trim, trimmed_width
+
+    rng = np.random.default_rng(53)
+    reasoning = [rng.integers(4, VOCAB, rng.integers(2, 6)).tolist() for _ in range(BATCH)]
+    convs = []
+    for row, z in enumerate(reasoning):
+        pre, obs = prompt_of(row // GROUP_SIZE)
+        convs.append(Conversation(preamble=pre, turns=[Turn(obs=obs, reasoning=z, answer=[3], reward=float(rng.normal()))]))
+    wide = build_trajectory(convs, [b // GROUP_SIZE for b in range(BATCH)], seq_len=40, max_turns=1)
+    longest = int(np.asarray(wide.lengths).max())
+    width = trimmed_width(longest, wide.seq_len, 8)
+    assert longest <= width == 16 < wide.seq_len
+    cut = trim(wide, width)
+    assert cut.tokens.shape == (BATCH, width) and cut.turn_rewards.shape == wide.turn_rewards.shape
+    np.testing.assert_array_equal(np.asarray(cut.tokens), np.asarray(wide.tokens)[:, :width])
+    assert int(np.asarray(cut.valid_mask).sum()) == int(np.asarray(wide.valid_mask).sum())  # only padding went
+
+    cfg = StarPOConfig(**LINEAR_FIRST_STEP)
+    diag = CollapseConfig(compute_freq=1, num_samples=BATCH, micro_batch_size=BATCH, baseline_steps=1)
+    results = []
+    for traj in (wide, cut):
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), diag, group_size=GROUP_SIZE, shared_prefix_len=2)
+        results.append(update(state, traj))
+    (s_wide, m_wide), (s_cut, m_cut) = results
+    assert tree_max_abs_diff(s_wide.params, s_cut.params) < 1e-6
+    assert float(m_wide["collapse_first_turn_sample/computed"]) == 1.0
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "collapse_first_turn_sample/mi_estimate",
+                "collapse_first_turn_sample/conditional_entropy_est"):
+        np.testing.assert_allclose(float(m_wide[key]), float(m_cut[key]), rtol=1e-5, atol=1e-6)
+
+
+def test_cutting_rows_refuses_the_row_width_normaliser():
+    with pytest.raises(ValueError, match="seq_len_multiple=64 would change the row width"):
+        StarPOConfig(seq_len_multiple=64, loss_agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="seq_len_multiple must be an int >= 0"):
+        StarPOConfig(seq_len_multiple=-1)

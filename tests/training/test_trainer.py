@@ -169,16 +169,20 @@ def test_time_limit_stops_after_the_crossing_step_and_checkpoints_it(tmp_path):
 def test_whole_conversation_context_trains_and_scores_turns_as_sampled(tmp_path):
     """The main job runs one-turn windows (``straight_run``); whole conversations (the base
     default) train end to end too, and the update's recomputed log-probs of the sampled tokens
-    match the sampler's (same weights, same context) at every step."""
+    match the sampler's (same weights, same context) at every step — here on rows cut to the
+    batch's longest (``starpo.seq_len_multiple``), so the cut loses no token the update scores."""
     from ragen_jax.training.trainer import train
 
-    spec = small_config(tmp_path, total_steps=2, **{"rollout.context_mode": "full",
+    spec = small_config(tmp_path, total_steps=2, **{"rollout.context_mode": "full", "starpo.seq_len_multiple": 16,
+                                                    "rollout.max_seq_len": 512,
                                                     "trainer.eval_every": 0, "trainer.save_every": 10})
     out = train(spec)
     assert out["summary"]["steps"] == 2.0
     events = read_events(tmp_path / "tensorboard")
     diffs = [v for _, v in events["actor/sampler_logprob_abs_diff_max"]]
     assert len(diffs) == 2 and max(diffs) < 1e-3, diffs
+    for (_, width), (_, longest) in zip(events["train/update_seq_len"], events["train/sequence_length_max"]):
+        assert longest <= width < spec.rollout.max_seq_len and width % 16 == 0, (width, longest)
     for key in ("actor/pg_loss", "actor/grad_norm", "collapse_trajectory_sample/computed"):
         assert all(math.isfinite(v) for _, v in events[key]), key
 
