@@ -8,8 +8,11 @@
 Zero-shot the model never closes an ``<answer>`` block, so every reward is the format penalty and
 StarPO has nothing to compare. A short warm-up teaches the format only: behaviour cloning on
 replies that name both arms and pull one of them **at random** (``warmup.action_noise=1.0``), so
-after it the policy is valid but picks either arm about equally. Which arm pays more (the
-high-risk one: 0.25 on average against 0.1, hinted only by its name) is left to StarPO.
+after it the policy is valid but picks either arm about equally. Which arm pays more is left to
+StarPO: here the high-risk arm pays 1.0 every time (``env.hi_arm_hiscore_prob=1.0``) against the
+low-risk arm's 0.1, so each group's comparison says which *name* pays. With RAGEN's payout
+(``--config.env.hi_arm_hiscore_prob=0.25``: 0.25 on average, and 0 three times in four) 16 noisy
+samples a step did not teach the names in 30 minutes; the policy drifted to the arm listed first.
 
 LoRA rank 8 on every projection (the frozen base is the KL reference); its learning rates are
 LoRA's, not the pretrained full fine-tuning default of 1e-6. Results: ``docs/experiments.md``.
@@ -26,12 +29,14 @@ def get_config():
     c.rollout.num_groups = 4
     c.rollout.group_size = 4
     c.rollout.max_new_tokens = 40
-    c.rollout.max_seq_len = 512
+    c.rollout.max_seq_len = 512  # the prompt's static bound; a batch's rows hold about 290 tokens
+    c.env.hi_arm_hiscore_prob = 1.0
 
     c.starpo.adv_estimator = "grpo"
     c.starpo.actor_lr = 2e-4
     c.starpo.mini_batch_size = 16
     c.starpo.micro_batch_size = 4
+    c.starpo.seq_len_multiple = 64  # the update runs on those ~290 (cut to 320), not on 512
 
     c.warmup.single_turn_steps = 40
     c.warmup.batch_size = 8

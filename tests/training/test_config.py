@@ -33,7 +33,11 @@ def test_presets_and_defaults():
     fl = _resolve(frozen_lake.get_config())
     assert fl.env_param_kwargs == {"p": 0.9, "success_rate": 1.0}
     assert fl.env_kwargs == {"size": 4, "observation_format": "grid"}
-    assert _resolve(bandit.get_config()).rollout.max_turns == 1
+    b = _resolve(bandit.get_config())
+    assert b.rollout.max_turns == 1
+    # RAGEN's payouts (spec §3.1), listed so that --config.env.* can change them
+    assert b.env_param_kwargs == {"lo_arm_score": 0.1, "hi_arm_loscore": 0.0, "hi_arm_hiscore": 1.0,
+                                  "hi_arm_hiscore_prob": 0.25}
 
 
 def test_pretrained_presets_use_original_learning_rates(tmp_path):
