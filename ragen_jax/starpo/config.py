@@ -102,8 +102,9 @@ class StarPOConfig:
       ``[B, L, V]`` logits are never materialised at once.
     ``seq_len_multiple``: 0 = the update sees rows of the rollout's full width (``rollout.max_seq_len``);
       N > 0 = the trainer first cuts the batch's padding past its longest row, keeping a multiple of
-      N positions (same result, less work when replies are short against a loose static bound; one
-      compiled update per distinct width, so keep N coarse). Not with
+      N positions, and in limited context cuts the per-turn rows (``rollout.cache_len`` wide) to the
+      widest turn window the same way (same result, less work when replies are short against a
+      loose static bound; one compiled update per distinct width, so keep N coarse). Not with
       ``loss_agg_mode='seq-mean-token-sum-norm'``, whose constant normaliser is the row width.
     ``logprob_temperature``: the policy, reference and ratio are scored as ``softmax(logits / T)``
       (verl's convention), so the PPO ratio compares against the distribution the rollout sampled

@@ -41,9 +41,20 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
         "sequence_length_max": traj.lengths.max().astype(jnp.float32),
         "format_penalty": traj.turn_format_penalty.sum(axis=1).mean(),
         "sampled_tokens": traj.response_length.sum().astype(jnp.float32),
+        # Transcript tokens the widest per-turn row holds after the preamble (limited context: the
+        # turn's window up to its last sampled token; what the update's rows must fit). 0 in full context.
+        "window_length_max": _window_length_max(traj),
         # Episodes ended by rollout.max_seq_len before their last turn (the trainer warns).
         "truncated": (jnp.zeros(()) if traj.truncated is None else traj.truncated.astype(jnp.float32).mean()),
     }
+
+
+def _window_length_max(traj: Trajectory) -> jax.Array:
+    if traj.context_start is None:
+        return jnp.zeros((), jnp.float32)
+    active = traj.turn_mask & (traj.turn_last_token >= 0)
+    span = jnp.where(active, traj.turn_last_token + 1 - traj.context_start, 0)
+    return jnp.max(span).astype(jnp.float32)
 
 
 @dataclasses.dataclass

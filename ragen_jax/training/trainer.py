@@ -131,6 +131,8 @@ class Setup:
     update: Callable
     placement: Any  # ragen_jax.placement.Placement: the mesh every array lives on
     state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
+    # update_on_rows(W): the update with limited-context turn rows W wide (built once per W)
+    update_on_rows: Callable[[int], Callable] | None = None
 
 
 def make_placement(spec: RunSpec):
@@ -203,13 +205,17 @@ def setup(spec: RunSpec, placement=None) -> Setup:
         raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
     # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
-    update = make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
-                              group_size=spec.rollout.group_size,
-                              shared_prefix_len=len(rollout.codec.preamble_ids),
-                              per_turn_rows=rollout.per_turn_rows,
-                              placement=placement, state_shardings=state_shardings)
-    return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update, placement,
-                 state_shardings)
+    def update_on_rows(width: int | None):
+        per_turn = rollout.per_turn_rows
+        if per_turn is not None and width is not None:
+            per_turn = (per_turn[0], width)
+        return make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
+                                group_size=spec.rollout.group_size,
+                                shared_prefix_len=len(rollout.codec.preamble_ids),
+                                per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings)
+
+    return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),
+                 placement, state_shardings, functools.lru_cache(maxsize=None)(update_on_rows))
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
@@ -331,7 +337,8 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     """One StarPO iteration: rollout with the current policy, then the compiled update.
 
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
-    multiple of it (``starpo.seq_len_multiple``). Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
+    multiple of it (``starpo.seq_len_multiple``); in limited context its per-turn rows are cut to
+    the widest window the same way (one compiled update per width). Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
     """
     t0 = time.time()
@@ -341,12 +348,20 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     width = trimmed_width(rollout_stats["sequence_length_max"], traj.seq_len, seq_len_multiple)
     if width < traj.seq_len:
         traj = _trim_program(run.placement, width)(traj)
-    train_state, update_metrics = run.update(train_state, traj)
+    update, row_width = run.update, None
+    if run.rollout.per_turn_rows is not None:  # limited context: the turn rows are cut the same way
+        preamble, full_rows = run.rollout.per_turn_rows
+        row_width = trimmed_width(preamble + rollout_stats["window_length_max"], full_rows, seq_len_multiple)
+        if row_width < full_rows:
+            update = run.update_on_rows(row_width)
+    train_state, update_metrics = update(train_state, traj)
     update_metrics = _drop_uncomputed(to_host_scalars(run.placement.fetch(update_metrics)))
     t2 = time.time()
     metrics = {f"train/{k}": float(v) for k, v in rollout_stats.items()}
     metrics.update(update_metrics)
-    metrics["train/update_seq_len"] = float(width)  # the row width the update ran on
+    metrics["train/update_seq_len"] = float(width)  # the transcript width the update ran on
+    if row_width is not None:
+        metrics["train/update_row_width"] = float(row_width)  # and its per-turn rows' width
     metrics["timing_s/rollout"] = t1 - t0
     metrics["timing_s/update"] = t2 - t1
     metrics["timing_s/step"] = t2 - t0

@@ -317,6 +317,17 @@ def test_rollout_metrics_against_numpy():
         effective_action_rate=arr(rng.random(B).astype(np.float32)),
         response_length=arr(resp), truncated=arr(trunc),
     )
+    assert float(rollout_metrics(traj, group_size=2)["window_length_max"]) == 0.0  # full context: no windows
+    # Limited context: row (b, t) holds transcript [context_start, turn_last_token] after the preamble;
+    # the widest active turn here is row 4, turn 1: 40 - 22 + 1 = 19 (row 2's 30 tokens are an ended turn).
+    last = np.full((B, T), 20, np.int32)
+    start = np.full((B, T), 15, np.int32)
+    last[4, 1], start[4, 1] = 40, 22
+    last[2, 2], start[2, 2] = 44, 15
+    mask = np.ones((B, T), bool)
+    mask[2, 2] = False
+    last[5, 0] = -1  # no sampled token
+    traj = traj.replace(turn_last_token=arr(last), context_start=arr(start), turn_mask=arr(mask))
     m = {k: float(v) for k, v in rollout_metrics(traj, group_size=2).items()}
     lengths = valid.sum(1)
     want = {
@@ -328,6 +339,7 @@ def test_rollout_metrics_against_numpy():
         "effective_action_rate": np.asarray(traj.effective_action_rate).mean(),
         "response_length": resp.mean(), "sequence_length": lengths.mean(), "sequence_length_max": lengths.max(),
         "format_penalty": pen.sum(1).mean(), "sampled_tokens": resp.sum(), "truncated": trunc.mean(),
+        "window_length_max": 19.0,
     }
     assert set(m) == set(want)
     for k, v in want.items():

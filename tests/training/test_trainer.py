@@ -140,6 +140,32 @@ def _resume_matches(tmp_path, total, interrupt_at):
             assert abs(va[s] - vb[s]) <= 1e-6 * max(1.0, abs(va[s])), (key, s, va[s], vb[s])
 
 
+def test_rows_cut_to_the_widest_window_log_what_full_width_rows_log(straight_run, tmp_path):
+    """``starpo.seq_len_multiple`` on the main job (one-turn windows): the transcript and the per-turn
+    rows are cut to the batch's widest (a multiple of 16) and the run logs what ``straight_run`` (full
+    width, same seed) logs, value for value up to float rounding."""
+    from ragen_jax.training.trainer import train
+
+    spec = small_config(tmp_path, total_steps=2, **{"starpo.seq_len_multiple": 16})
+    train(spec)
+    cut, full = _logged(tmp_path), _logged(straight_run[0])
+    widths, full_widths = dict(cut.pop("train/update_row_width")), dict(full.pop("train/update_row_width"))
+    for logged in (cut, full):
+        logged.pop("train/update_seq_len")  # the transcript's width: cut only where its padding allows
+    assert set(cut) == set(full)
+    windows = dict(cut["train/window_length_max"])
+    for step, width in widths.items():
+        assert width % 16 == 0 and width < full_widths[step], (step, width, full_widths[step])
+    # The recomputed log-probs of the sampled tokens, on the cut rows, are the sampler's: no context was cut.
+    assert max(v for _, v in cut["actor/sampler_logprob_abs_diff_max"]) < 1e-3
+    for key in cut:
+        a, b = dict(cut[key]), dict(full[key])
+        assert sorted(a) == sorted(b), key
+        for step in a:
+            assert abs(a[step] - b[step]) <= 1e-4 * max(1.0, abs(b[step])), (key, step, a[step], b[step])
+    assert sorted(windows) == sorted(widths)
+
+
 def test_resume_is_exact_short(tmp_path):
     """2 steps straight == 1 step + interrupt + resume 1 step, for every logged metric."""
     _resume_matches(tmp_path, total=2, interrupt_at=1)
