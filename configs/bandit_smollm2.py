@@ -25,7 +25,7 @@ def get_config():
     c.workdir = "runs/bandit_smollm2"
     base.use_smollm2_with_lora(c, rank=8)
 
-    # 4 prompts x 4 samples: one StarPO update of the 135M model on 16 rows takes ~50 s on 2 cores.
+    # 4 prompts x 4 samples: one StarPO update of the 135M model on 16 rows takes ~25 s on 2 cores.
     c.rollout.num_groups = 4
     c.rollout.group_size = 4
     c.rollout.max_new_tokens = 40

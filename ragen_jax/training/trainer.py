@@ -338,7 +338,9 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
 
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
     multiple of it (``starpo.seq_len_multiple``); in limited context its per-turn rows are cut to
-    the widest window the same way (one compiled update per width). Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
+    the widest window the same way (one compiled update per width).
+
+    Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
     """
     t0 = time.time()
