@@ -27,6 +27,7 @@ def get_config():
     c.starpo.actor_lr = 2e-4
     c.starpo.mini_batch_size = 16
     c.starpo.micro_batch_size = 4
+    c.starpo.seq_len_multiple = 64  # cut the update's transcript and turn rows to what the batch holds
     c.collapse.micro_batch_size = 8
     c.collapse.max_reasoning_tokens = 48
 
