@@ -10,10 +10,10 @@ holds are often much shorter. ``starpo.seq_len_multiple`` has the trainer cut th
 the update. This script builds the config's run once (warm-up skipped, so the batch is what the
 untrained policy writes: for a pretrained model a fair sample, for the from-scratch tiny preset
 replies that run to ``max_new_tokens``), samples one batch, and times the update on it at the full
-width and cut to ``trimmed_width`` (the longest row rounded up to ``--multiple``; in limited context
-the per-turn rows too, to the widest turn window), best of ``--repeats`` after compilation. It
-checks that both give the same parameters and loss (on seeded random rewards, so the advantages
-are not all zero), then prints the widths and the ratio full / cut.
+width and cut as the trainer cuts it (``trainer.update_widths``: the longest row rounded up to
+``--multiple``; in limited context the per-turn rows too, to the widest turn window), best of
+``--repeats`` after compilation. It checks that both give the same parameters and loss (on seeded
+random rewards, so the advantages are not all zero), then prints the widths and the ratio full / cut.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.lora_update import best_of, load_config  # noqa: E402
-from ragen_jax.rollout.trajectory import trim, trimmed_width  # noqa: E402
+from ragen_jax.rollout.trajectory import trim  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.training import trainer  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
@@ -64,13 +64,12 @@ def main():
     run = trainer.setup(spec)
     state = run.train_state
     traj = with_random_rewards(run.rollout(trainer._policy_params(state), jax.random.key(0)))
-    longest = int(np.asarray(traj.lengths).max())
-    width = trimmed_width(longest, traj.seq_len, args.multiple)
+    stats = {k: float(v) for k, v in rollout_metrics(traj, spec.rollout.group_size).items()}
+    longest = int(stats["sequence_length_max"])
+    per_turn = run.rollout.per_turn_rows
+    width, row_width = trainer.update_widths(stats, traj.seq_len, per_turn, args.multiple)
     cut = trim(traj, width)
-    per_turn, cut_rows = run.rollout.per_turn_rows, None
-    if per_turn is not None:  # limited context: the update's per-turn rows are cut too
-        window = float(rollout_metrics(traj, spec.rollout.group_size)["window_length_max"])
-        cut_rows = (per_turn[0], trimmed_width(per_turn[0] + window, per_turn[1], args.multiple))
+    cut_rows = None if row_width is None else (per_turn[0], row_width)  # limited context: rows cut too
 
     def make(rows):
         return make_update_step(run.graphdefs, spec.starpo, spec.filter, spec.collapse,

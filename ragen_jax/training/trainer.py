@@ -347,15 +347,12 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     traj = run.rollout(_policy_params(train_state), key)
     rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     t1 = time.time()
-    width = trimmed_width(rollout_stats["sequence_length_max"], traj.seq_len, seq_len_multiple)
+    width, row_width = update_widths(rollout_stats, traj.seq_len, run.rollout.per_turn_rows, seq_len_multiple)
     if width < traj.seq_len:
         traj = _trim_program(run.placement, width)(traj)
-    update, row_width = run.update, None
-    if run.rollout.per_turn_rows is not None:  # limited context: the turn rows are cut the same way
-        preamble, full_rows = run.rollout.per_turn_rows
-        row_width = trimmed_width(preamble + rollout_stats["window_length_max"], full_rows, seq_len_multiple)
-        if row_width < full_rows:
-            update = run.update_on_rows(row_width)
+    update = run.update
+    if row_width is not None and row_width < run.rollout.per_turn_rows[1]:
+        update = run.update_on_rows(row_width)
     train_state, update_metrics = update(train_state, traj)
     update_metrics = _drop_uncomputed(to_host_scalars(run.placement.fetch(update_metrics)))
     t2 = time.time()
@@ -369,6 +366,19 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     metrics["timing_s/step"] = t2 - t0
     metrics["timing_s/tokens_per_s"] = float(rollout_stats["sampled_tokens"]) / max(t1 - t0, 1e-9)
     return train_state, traj, metrics
+
+
+def update_widths(rollout_stats: dict, seq_len: int, per_turn_rows: tuple[int, int] | None,
+                  multiple: int) -> tuple[int, int | None]:
+    """``(transcript width, per-turn row width)`` the update needs for a batch with these
+    ``rollout_metrics``: the longest row, and in limited context (``per_turn_rows`` = ``(preamble,
+    full row width)``) the preamble plus the widest turn window, each rounded up to a multiple of
+    ``multiple`` (0: the full widths). The row width is None in full context."""
+    width = trimmed_width(rollout_stats["sequence_length_max"], seq_len, multiple)
+    if per_turn_rows is None:
+        return width, None
+    preamble, full_rows = per_turn_rows
+    return width, trimmed_width(preamble + rollout_stats["window_length_max"], full_rows, multiple)
 
 
 @functools.lru_cache(maxsize=None)
