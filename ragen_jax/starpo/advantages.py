@@ -197,11 +197,15 @@ class AdvantageEstimator:
     Every estimator takes the same keywords and ignores those it does not use.
     ``uses_critic``: needs ``values`` (and a value loss). ``whiten_default``: batch-whitened unless
     the caller overrides (True for GAE-family estimators, False for GRPO-family, as in the original).
+    ``needs``: the extra inputs (keywords of ``compute_advantages``' ``extras``) the estimator reads
+    beyond the token rewards: ``turn_rewards`` / ``turn_mask`` / ``anchor_ids`` (GiGPO's per-turn
+    rewards and anchor states), ``reward_baselines`` (ReMax's greedy-rollout returns).
     """
 
     fn: Callable[..., tuple[Array, Array]]
     uses_critic: bool
     whiten_default: bool
+    needs: tuple[str, ...] = ()
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -215,7 +219,7 @@ def _reverse_scan(step, carry, xs):
 
 
 def gae(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=1.0, lam=1.0,
-        high_level_gamma=0.95):
+        high_level_gamma=0.95, **_):
     """Generalised advantage estimation over the sampled tokens (masked-carry rule, spec §5.2).
 
     Backwards over ``t = L-1 … 0`` with carries ``next_v`` and ``gae`` (both 0 at the end):
@@ -251,7 +255,7 @@ def gae(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=
 
 
 def bilevel_gae(token_rewards, values, loss_mask, turn_ids, *, group_size=1, gamma=1.0, lam=1.0,
-                high_level_gamma=0.95):
+                high_level_gamma=0.95, **_):
     """Bi-level (turn-level then token-level) GAE.
 
     Per row, let ``e_1 < … < e_K`` be the turn ends — the last sampled token of each turn, found
@@ -321,7 +325,7 @@ def _grpo_like(token_rewards, loss_mask, group_size, scale_by_std):
 
 
 def grpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
-         high_level_gamma=0.95):
+         high_level_gamma=0.95, **_):
     """GRPO: group z-score of episode scores, broadcast over the sampled tokens (no critic).
 
     ``s_i = sum_t r_{i,t}``; ``A_i = (s_i - mean_g) / (std_g + 1e-6)`` with the unbiased group std;
@@ -333,14 +337,14 @@ def grpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1
 
 
 def drgrpo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
-           high_level_gamma=0.95):
+           high_level_gamma=0.95, **_):
     """Dr. GRPO: ``A_i = s_i - mean_g`` (no std scaling; size-1 groups use mean 0), broadcast over ``m``."""
     del values, turn_ids, gamma, lam, high_level_gamma
     return _grpo_like(token_rewards, loss_mask, group_size, scale_by_std=False)
 
 
 def rloo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1.0, lam=1.0,
-         high_level_gamma=0.95):
+         high_level_gamma=0.95, **_):
     """RLOO: each episode's baseline is the mean score of the *other* members of its group.
 
     ``A_i = s_i - mean_{j != i} s_j = (s_i - mean_g) * K / (K - 1)`` for groups of ``K > 1``; a group
@@ -370,11 +374,250 @@ def soft_advantage_weights(scores: Array, group_size: int) -> Array:
     return jnp.repeat(w, group_size)
 
 
+def _broadcast(per_row: Array, loss_mask: Array) -> tuple[Array, Array]:
+    adv = per_row[:, None] * loss_mask.astype(per_row.dtype)
+    return adv, adv
+
+
+def reinforce_plus_plus(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=1.0, **_):
+    """REINFORCE++ (Hu et al., 2025; verl's ``reinforce_plus_plus``): discounted token returns, then
+    batch whitening (``whiten_default``), no critic, no group baseline.
+
+    Backwards over ``t = L-1 … 0`` with ``G = 0`` at the end::
+
+        G <- r_t + gamma * G ;  returns_t = G ;  G <- G * m_t      (the return resets off the mask)
+
+    This is verl's recursion exactly: the running return is reset at every token outside
+    ``loss_mask``. On a multi-turn transcript the observation tokens between turns reset it, so only
+    the last turn's tokens see a reward credited at the episode's last token (earlier turns see their
+    own turn rewards, with ``use_turn_scores``). ``reinforce_plus_plus_multiturn`` carries the
+    return across observation tokens instead.
+    Returns: advantages (un-whitened returns; ``compute_advantages`` whitens), returns ``[B, L]``.
+    """
+    m = loss_mask.astype(jnp.float32)
+    r = token_rewards.astype(jnp.float32)
+
+    def step(running, x):
+        r_t, m_t = x
+        running = r_t + gamma * running
+        return running * m_t, running
+
+    ret = _reverse_scan(step, jnp.zeros(r.shape[0], jnp.float32), (r, m))
+    return ret * m, ret * m
+
+
+def reinforce_plus_plus_multiturn(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=1.0,
+                                  **_):
+    """REINFORCE++ across turns (our variant of ``reinforce_plus_plus``): the discounted return skips
+    the tokens outside ``loss_mask`` (GAE's masked-carry rule) instead of resetting there, so every
+    turn of an episode is credited with the rewards that follow it. Rewards on unmasked tokens are
+    ignored. With ``gamma = 1`` and the episode score at the last sampled token every sampled token
+    gets the episode score; whitened over the batch by default.
+    """
+    m = loss_mask.astype(jnp.float32)
+    r = token_rewards.astype(jnp.float32)
+
+    def step(running, x):
+        r_t, m_t = x
+        candidate = r_t + gamma * running
+        running = jnp.where(m_t > 0, candidate, running)
+        return running, candidate * m_t
+
+    ret = _reverse_scan(step, jnp.zeros(r.shape[0], jnp.float32), (r, m))
+    return ret, ret
+
+
+def reinforce_plus_plus_baseline(token_rewards, values, loss_mask, turn_ids=None, *, group_size, **_):
+    """REINFORCE++ with baseline (verl's ``reinforce_plus_plus_baseline``): ``A_i = s_i - mean_g``
+    (groups of one: mean 0), broadcast over the sampled tokens, then batch-whitened
+    (``whiten_default``). Returns = advantages."""
+    scores = episode_scores(token_rewards)
+    mean, _ = group_mean_std(scores, group_size)
+    return _broadcast(scores - jnp.repeat(mean, group_size), loss_mask)
+
+
+def remax(token_rewards, values, loss_mask, turn_ids=None, *, reward_baselines, **_):
+    """ReMax (Li et al., 2023; verl's ``remax``): the baseline of each episode is the return of a
+    greedy rollout from the same start state (``reward_baselines [B]``, from the rollout's
+    ``greedy_baseline``). ``returns_t = sum_{k >= t} r_k m_k`` (reverse cumulative sum of the masked
+    token rewards), ``A_t = (returns_t - b) m_t``. Not whitened."""
+    m = loss_mask.astype(jnp.float32)
+    rm = token_rewards.astype(jnp.float32) * m
+    ret = jnp.flip(jnp.cumsum(jnp.flip(rm, axis=1), axis=1), axis=1)
+    return (ret - reward_baselines.astype(jnp.float32)[:, None]) * m, ret * m
+
+
+def opo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, **_):
+    """OPO (Hao et al., 2025; verl's ``opo``): the optimal baseline for a sequence-level reward,
+    ``b_g = sum_i |y_i| s_i / sum_i |y_i|`` (length-weighted group mean, ``|y_i|`` = sampled tokens);
+    ``A_i = s_i - b_g`` (groups of one: b = 0), broadcast. Not whitened."""
+    scores = episode_scores(token_rewards)
+    lengths = jnp.sum(loss_mask.astype(jnp.float32), axis=-1)
+    s, n = group_view(scores, group_size), group_view(lengths, group_size)
+    base = jnp.sum(s * n, axis=1) / jnp.maximum(jnp.sum(n, axis=1), 1.0)
+    if group_size == 1:
+        base = jnp.zeros_like(base)
+    return _broadcast(scores - jnp.repeat(base, group_size), loss_mask)
+
+
+def gpg(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gpg_f_norm=1.0, **_):
+    """GPG (Chu et al., 2025; verl's ``gpg``): ``A_i = alpha (s_i - mean_g) / F`` with
+    ``alpha = B / #{i : s_i != 0}`` over the rows that train (rows the SNR filter emptied are not
+    counted: the original removes them before this step) and ``F = gpg_f_norm`` (1). Groups of one:
+    mean 0. Not whitened; pair it with ``policy_loss='gpg'`` (no ratio) as the paper does."""
+    scores = episode_scores(token_rewards)
+    trains = jnp.any(loss_mask, axis=-1)
+    rows = jnp.sum(trains).astype(jnp.float32)
+    nonzero = jnp.sum(trains & (scores != 0)).astype(jnp.float32)
+    alpha = rows / jnp.maximum(nonzero, 1.0)
+    mean, _ = group_mean_std(scores, group_size)
+    return _broadcast(alpha * (scores - jnp.repeat(mean, group_size)) / gpg_f_norm, loss_mask)
+
+
+def grpo_passk(token_rewards, values, loss_mask, turn_ids=None, *, group_size, norm_adv_by_std=True, **_):
+    """GRPO for pass@k (Chen et al., 2025; verl's ``grpo_passk``): only the best episode of each group
+    learns, with ``A = s_max - s_second`` (÷ (unbiased group std + 1e-6) when ``norm_adv_by_std``);
+    every other row gets 0. Ties go to the first row. Needs groups of at least two."""
+    if group_size < 2:
+        raise ValueError(f"grpo_passk needs groups of at least 2 episodes (rollout.group_size={group_size}).")
+    scores = episode_scores(token_rewards)
+    g = group_view(scores, group_size)
+    best = jnp.argmax(g, axis=1)
+    top2 = jax.lax.top_k(g, 2)[0]
+    gap = top2[:, 0] - top2[:, 1]
+    if norm_adv_by_std:
+        gap = gap / (jnp.std(g, axis=1, ddof=1) + SCORE_STD_EPS)
+    per_row = jnp.where(jnp.arange(group_size)[None] == best[:, None], gap[:, None], 0.0).reshape(-1)
+    return _broadcast(per_row.astype(scores.dtype), loss_mask)
+
+
+# --- GiGPO -----------------------------------------------------------------------------------
+
+GIGPO_NORMS = ("mean", "std")
+
+
+def turn_returns(turn_rewards: Array, turn_mask: Array, gamma: float) -> Array:
+    """Discounted return of every turn, ``R_t = r_t + gamma R_{t+1}`` over the turns that took place
+    (GiGPO's Eq. 5). ``[B, T]`` -> ``[B, T]``, 0 on turns that did not happen."""
+    m = turn_mask.astype(jnp.float32)
+    r = turn_rewards.astype(jnp.float32) * m
+
+    def step(running, x):
+        running = x[0] + gamma * running
+        return running, running * x[1]
+
+    return _reverse_scan(step, jnp.zeros(r.shape[0], jnp.float32), (r, m))
+
+
+def _anchor_groups(anchor_ids: Array, turn_mask: Array, group_size: int) -> tuple[Array, Array]:
+    """``same [G, N, N]`` (turns ``n``, ``n'`` of one episode group share an anchor state; ``N =
+    group_size * T``, row-major over (episode, turn)) and ``valid [G, N]`` (the turn took place)."""
+    num_groups = _check_group_size(anchor_ids.shape[0], group_size)
+    ids = anchor_ids.reshape(num_groups, -1)
+    valid = turn_mask.astype(bool).reshape(num_groups, -1)
+    same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+    return same, valid
+
+
+def anchor_group_stats(anchor_ids: Array, turn_mask: Array, group_size: int) -> dict:
+    """How much step-level signal GiGPO's anchor grouping finds: ``shared_turn_fraction`` (turns
+    whose anchor group has another member) and ``mean_group_size`` (turns per anchor group, averaged
+    over the groups as the reference prints it)."""
+    same, valid = _anchor_groups(anchor_ids, turn_mask, group_size)
+    size = jnp.sum(same, axis=-1).astype(jnp.float32)  # [G, N], 0 on missing turns
+    n_turns = jnp.sum(valid).astype(jnp.float32)
+    n_groups = jnp.sum(jnp.where(valid, 1.0 / jnp.maximum(size, 1.0), 0.0))
+    return {"shared_turn_fraction": jnp.sum(valid & (size > 1)) / jnp.maximum(n_turns, 1.0),
+            "mean_group_size": n_turns / jnp.maximum(n_groups, 1.0)}
+
+
+def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_rewards, turn_mask, anchor_ids,
+          step_weight=1.0, step_gamma=0.95, step_norm="mean", **_):
+    """GiGPO (Feng et al., 2025, arXiv 2505.10978; verl-agent ``gigpo/core_gigpo.py``): an episode
+    term from the group of episodes sharing a start state plus a step term from *anchor-state
+    groups*, the turns of that episode group that saw an identical observation.
+
+    Episode term (Eq. 3): ``A^E_i = (s_i - mean) / F`` with ``s_i`` the episode score (sum of
+    ``token_rewards``). As in the reference (``compute_mean_std_cross_steps=True``) the statistics
+    count each episode **once per turn it took** — the reference holds one row per turn — so longer
+    episodes weigh more in the mean and the (unbiased) std; a group holding a single turn uses mean
+    0, std 1.
+    Step term (Eqs. 5–7): ``R_t = sum_{k >= t} step_gamma^{k-t} r_k`` from ``turn_rewards``; the
+    anchor group of turn ``(i, t)`` is every turn ``(j, u)`` of the same episode group (any episode,
+    any turn index) with ``anchor_ids[j, u] == anchor_ids[i, t]``; ``A^S = (R_t - mean) / F`` within
+    it, so a turn alone in its group gets 0.
+    ``F`` = 1 (``step_norm='mean'``, the reference's ``mean_norm``) or std + 1e-6 (``'std'``,
+    ``mean_std_norm``). Deviation, on purpose: a group whose values are all equal gets 0 exactly
+    (the reference divides a rounding residue by 1e-6 there).
+    Every sampled token of turn ``t`` gets ``A^E_i + step_weight * A^S_{i,t}`` (Eq. 8); returns =
+    advantages; not whitened.
+
+    Args: token_rewards, loss_mask ``[B, L]``; turn_ids int ``[B, L]``; turn_rewards float ``[B, T]``
+      (env reward + format penalty of each turn); turn_mask bool ``[B, T]``; anchor_ids uint32
+      ``[B, T]`` (``Trajectory.turn_state_hash``: a hash of the observation each turn saw).
+    """
+    if step_norm not in GIGPO_NORMS:
+        raise ValueError(f"GiGPO step_norm={step_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")
+    if turn_ids is None:
+        raise ValueError("gigpo needs turn_ids [B, L] (Trajectory.turn_ids) to give each turn its advantage.")
+    scale = step_norm == "std"
+    f32 = jnp.float32
+    scores = episode_scores(token_rewards).astype(f32)
+    tm = turn_mask.astype(f32)
+    num_turns = T = turn_mask.shape[1]
+    del num_turns
+
+    # Episode term: each episode's score counted once per turn it took.
+    s, c = group_view(scores, group_size), group_view(jnp.sum(tm, axis=1), group_size)
+    n = jnp.sum(c, axis=1, keepdims=True)
+    mean = jnp.sum(c * s, axis=1, keepdims=True) / jnp.maximum(n, 1.0)
+    var = jnp.sum(c * jnp.square(s - mean), axis=1, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
+    lone = n <= 1.0
+    mean = jnp.where(lone, 0.0, mean)
+    std = jnp.where(lone, 1.0, jnp.sqrt(var))
+    centred = s - mean
+    if scale:
+        centred = jnp.where(std <= SCORE_STD_EPS, 0.0, centred / (std + SCORE_STD_EPS))
+    episode_adv = centred.reshape(-1)  # [B]
+
+    # Step term: discounted turn returns normalised within anchor-state groups.
+    returns = turn_returns(turn_rewards, turn_mask, step_gamma)  # [B, T]
+    same, valid = _anchor_groups(anchor_ids, turn_mask, group_size)
+    sf = same.astype(f32)
+    r = returns.reshape(valid.shape)  # [G, N]
+    size = jnp.sum(sf, axis=-1)
+    a_mean = jnp.sum(sf * r[:, None, :], axis=-1) / jnp.maximum(size, 1.0)
+    a_var = jnp.sum(sf * jnp.square(r[:, None, :] - a_mean[:, :, None]), axis=-1) / jnp.maximum(size - 1.0, 1.0)
+    step_adv = r - a_mean
+    if scale:
+        a_std = jnp.where(size > 1.0, jnp.sqrt(a_var), 1.0)
+        step_adv = jnp.where(a_std <= SCORE_STD_EPS, 0.0, step_adv / (a_std + SCORE_STD_EPS))
+    step_adv = jnp.where(valid & (size > 1.0), step_adv, 0.0).reshape(returns.shape)
+
+    per_turn = episode_adv[:, None] + step_weight * step_adv  # [B, T]
+    turn = jnp.clip(turn_ids.astype(jnp.int32), 0, T - 1)
+    adv = jnp.take_along_axis(per_turn, turn, axis=1) * loss_mask.astype(f32)
+    return adv, adv
+
+
 ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimator(gae, uses_critic=True, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("bilevel_gae", AdvantageEstimator(bilevel_gae, uses_critic=True, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False))
 ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False))
 ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimator(rloo, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("gigpo", AdvantageEstimator(gigpo, uses_critic=False, whiten_default=False,
+                                                     needs=("turn_rewards", "turn_mask", "anchor_ids")))
+ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus", AdvantageEstimator(reinforce_plus_plus, uses_critic=False,
+                                                                   whiten_default=True))
+ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_multiturn", AdvantageEstimator(
+    reinforce_plus_plus_multiturn, uses_critic=False, whiten_default=True))
+ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_baseline", AdvantageEstimator(
+    reinforce_plus_plus_baseline, uses_critic=False, whiten_default=True))
+ADVANTAGE_ESTIMATORS.add("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False,
+                                                     needs=("reward_baselines",)))
+ADVANTAGE_ESTIMATORS.add("opo", AdvantageEstimator(opo, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("gpg", AdvantageEstimator(gpg, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("grpo_passk", AdvantageEstimator(grpo_passk, uses_critic=False, whiten_default=False))
 
 
 def length_weight(advantages: Array, loss_mask: Array) -> Array:
@@ -405,11 +648,14 @@ def compute_advantages(
     high_level_gamma: float = 0.95,
     whiten: Optional[bool] = None,
     grpo_length_weight: bool = False,
+    extras: Optional[dict] = None,
 ) -> tuple[Array, Array]:
     """Runs a registered estimator, then the optional batch whitening and GRPO length weighting.
 
     Args:
-      estimator: name in ``ADVANTAGE_ESTIMATORS`` (``gae``, ``bilevel_gae``, ``grpo``, ``drgrpo``, ``rloo``).
+      estimator: name in ``ADVANTAGE_ESTIMATORS`` (``gae``, ``bilevel_gae``, ``grpo``, ``drgrpo``, ``rloo``,
+        ``gigpo``, ``reinforce_plus_plus`` (``_multiturn``, ``_baseline``), ``remax``, ``opo``, ``gpg``,
+        ``grpo_passk``).
       token_rewards: float ``[B, L]`` turn rewards at each turn's last sampled token (see module doc).
       values: float ``[B, L]`` ``V(tokens[:t])`` (``align_to_targets`` of the value head); ``None``
         is allowed for critic-free estimators.
@@ -420,6 +666,10 @@ def compute_advantages(
       gamma, lam, high_level_gamma: discount, GAE lambda, turn-level discount (bi-level only).
       whiten: batch-whiten over ``loss_mask`` (unbiased var, +1e-8); ``None`` = estimator default.
       grpo_length_weight: apply ``length_weight`` after whitening (the original's order).
+      extras: what some estimators read beyond the token rewards (``AdvantageEstimator.needs``:
+        ``turn_rewards``, ``turn_mask``, ``anchor_ids``, ``reward_baselines``) and their settings
+        (``step_weight``, ``step_gamma``, ``step_norm`` for GiGPO; ``norm_adv_by_std`` for
+        ``grpo_passk``; ``gpg_f_norm``); estimators ignore the keys they do not use.
 
     Returns: ``(advantages, returns)`` float ``[B, L]``, zero outside ``loss_mask``; ``returns`` are
     the pre-whitening ``A + V`` (the critic's targets), equal to the advantages for GRPO.
@@ -437,9 +687,17 @@ def compute_advantages(
     if turn_ids is not None and turn_ids.shape != loss_mask.shape:
         raise ValueError(f"turn_ids {turn_ids.shape} must be [B, L] like loss_mask {loss_mask.shape}.")
     _check_group_size(loss_mask.shape[0], group_size)
+    extras = {k: v for k, v in (extras or {}).items() if v is not None}
+    missing = [k for k in est.needs if k not in extras]
+    if missing:
+        raise ValueError(f"Advantage estimator {estimator!r} needs {', '.join(missing)} (pass them in extras); "
+                         + ("the rollout records anchor states in Trajectory.turn_state_hash."
+                            if "anchor_ids" in missing else
+                            "set rollout.greedy_baseline=True so the rollout measures them."
+                            if "reward_baselines" in missing else ""))
     adv, returns = est.fn(
         token_rewards, values, loss_mask, turn_ids,
-        group_size=group_size, gamma=gamma, lam=lam, high_level_gamma=high_level_gamma,
+        group_size=group_size, gamma=gamma, lam=lam, high_level_gamma=high_level_gamma, **extras,
     )
     if est.whiten_default if whiten is None else whiten:
         adv = masked_whiten(adv, loss_mask)

@@ -1,0 +1,169 @@
+"""NumPy re-derivations of the credit-assignment estimators (GiGPO, REINFORCE++, ReMax, OPO, GPG,
+GRPO pass@k), written from their papers and from the reference implementations' descriptions
+(verl v0.6.1 ``core_algos``, verl-agent ``gigpo/core_gigpo.py``), never from ``ragen_jax``.
+
+Grouping is done the way the references do it — dictionaries keyed by group id, plain loops,
+float64 — rather than with the reshapes our code uses. GiGPO is computed on the reference's own
+data layout: one row per (episode, turn), each carrying its episode's score.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from tests.starpo.numpy_reference import mean, std_unbiased
+
+
+def _whiten(x, mask):
+    vals = [x[b, t] for b in range(x.shape[0]) for t in range(x.shape[1]) if mask[b, t]]
+    mu = mean(vals)
+    var = sum((v - mu) ** 2 for v in vals) / (len(vals) - 1) if len(vals) > 1 else 0.0
+    return (x - mu) / math.sqrt(var + 1e-8) * mask
+
+
+def _group_index(batch, group_size):
+    return [b // group_size for b in range(batch)]
+
+
+def reinforce_pp(rewards, mask, gamma):
+    """verl: G = r_t + gamma G; returns_t = G; G <- G * m_t (reset off the mask); whitened."""
+    B, L = rewards.shape
+    ret = np.zeros((B, L))
+    for b in range(B):
+        running = 0.0
+        for t in range(L - 1, -1, -1):
+            running = rewards[b, t] + gamma * running
+            ret[b, t] = running
+            running = running * mask[b, t]
+    return _whiten(ret * mask, mask), ret * mask
+
+
+def reinforce_pp_multiturn(rewards, mask, gamma):
+    """The return of token t: the discounted sum of the rewards on the sampled tokens from t on,
+    counting only sampled tokens as time steps."""
+    B, L = rewards.shape
+    ret = np.zeros((B, L))
+    for b in range(B):
+        sampled = [t for t in range(L) if mask[b, t]]
+        for i, t in enumerate(sampled):
+            ret[b, t] = sum(gamma ** k * rewards[b, u] for k, u in enumerate(sampled[i:]))
+    return _whiten(ret, mask), ret
+
+
+def reinforce_pp_baseline(rewards, mask, group_size):
+    scores = rewards.sum(axis=1)
+    by_group = defaultdict(list)
+    for b, g in enumerate(_group_index(len(scores), group_size)):
+        by_group[g].append(scores[b])
+    adv = np.zeros_like(rewards)
+    for b, g in enumerate(_group_index(len(scores), group_size)):
+        mu = 0.0 if len(by_group[g]) == 1 else mean(by_group[g])
+        adv[b] = (scores[b] - mu) * mask[b]
+    return _whiten(adv, mask)
+
+
+def remax(rewards, mask, baselines):
+    B, L = rewards.shape
+    ret = np.zeros((B, L))
+    for b in range(B):
+        for t in range(L):
+            ret[b, t] = sum(rewards[b, u] * mask[b, u] for u in range(t, L))
+    adv = (ret - np.asarray(baselines)[:, None]) * mask
+    return adv, ret * mask
+
+
+def opo(rewards, mask, group_size):
+    scores, lengths = rewards.sum(axis=1), mask.sum(axis=1)
+    members = defaultdict(list)
+    for b, g in enumerate(_group_index(len(scores), group_size)):
+        members[g].append(b)
+    adv = np.zeros_like(rewards)
+    for g, rows in members.items():
+        base = 0.0 if len(rows) == 1 else sum(lengths[b] * scores[b] for b in rows) / sum(lengths[b] for b in rows)
+        for b in rows:
+            adv[b] = (scores[b] - base) * mask[b]
+    return adv
+
+
+def gpg(rewards, mask, group_size, f_norm=1.0):
+    """alpha = (rows that train) / (those with a non-zero score)."""
+    scores = rewards.sum(axis=1)
+    training = [b for b in range(len(scores)) if mask[b].any()]
+    nonzero = [b for b in training if scores[b] != 0]
+    alpha = len(training) / max(len(nonzero), 1)
+    members = defaultdict(list)
+    for b, g in enumerate(_group_index(len(scores), group_size)):
+        members[g].append(scores[b])
+    adv = np.zeros_like(rewards)
+    for b, g in enumerate(_group_index(len(scores), group_size)):
+        mu = 0.0 if len(members[g]) == 1 else mean(members[g])
+        adv[b] = alpha * (scores[b] - mu) / f_norm * mask[b]
+    return adv
+
+
+def grpo_passk(rewards, mask, group_size, norm_by_std=True):
+    scores = rewards.sum(axis=1)
+    adv = np.zeros_like(rewards)
+    for start in range(0, len(scores), group_size):
+        g = list(scores[start:start + group_size])
+        order = sorted(range(len(g)), key=lambda i: (-g[i], i))  # best first, ties to the first row
+        gap = g[order[0]] - g[order[1]]
+        if norm_by_std:
+            gap = gap / (std_unbiased(g) + 1e-6)
+        adv[start + order[0]] = gap * mask[start + order[0]]
+    return adv
+
+
+def gigpo(episode_scores, turn_rewards, turn_mask, anchors, group_size, step_weight, gamma, norm):
+    """Per-turn GiGPO advantages ``[B, T]`` on the reference's row-per-turn layout.
+
+    ``anchors[b][t]`` is any hashable observation; ``norm`` is 'mean' (mean_norm) or 'std'
+    (mean_std_norm). Groups whose values are all equal give 0 (see ``advantages.gigpo``).
+    """
+    B, T = turn_rewards.shape
+    rows = [(b, t) for b in range(B) for t in range(T) if turn_mask[b, t]]
+    uid = {b: b // group_size for b in range(B)}
+
+    # Episode term: every turn row carries its episode's score (statistics across steps).
+    per_uid = defaultdict(list)
+    for b, _ in rows:
+        per_uid[uid[b]].append(episode_scores[b])
+
+    def normalise(x, values):
+        if len(values) == 1:
+            mu, sd = (0.0, 1.0)
+        else:
+            mu, sd = mean(values), std_unbiased(values)
+        if norm == "mean":
+            return x - mu
+        return 0.0 if len(values) > 1 and sd <= 1e-6 else (x - mu) / (sd + 1e-6)
+
+    # Step returns, Eq. 5, per trajectory over its turns.
+    step_return = {}
+    for b in range(B):
+        turns = [t for t in range(T) if turn_mask[b, t]]
+        running = 0.0
+        for t in reversed(turns):
+            running = turn_rewards[b, t] + gamma * running
+            step_return[(b, t)] = running
+
+    clusters = defaultdict(list)
+    for b, t in rows:
+        clusters[(uid[b], anchors[b][t])].append((b, t))
+
+    out = np.zeros((B, T))
+    for b, t in rows:
+        a_e = normalise(episode_scores[b], per_uid[uid[b]])
+        members = clusters[(uid[b], anchors[b][t])]
+        values = [step_return[m] for m in members]
+        if len(values) == 1:
+            a_s = 0.0
+        elif norm == "mean":
+            a_s = step_return[(b, t)] - mean(values)
+        else:
+            sd = std_unbiased(values)
+            a_s = 0.0 if sd <= 1e-6 else (step_return[(b, t)] - mean(values)) / (sd + 1e-6)
+        out[b, t] = a_e + step_weight * a_s
+    return out

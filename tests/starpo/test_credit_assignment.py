@@ -1,0 +1,238 @@
+"""The credit-assignment estimators (GiGPO, REINFORCE++ and its variants, ReMax, OPO, GPG, GRPO
+pass@k) against NumPy re-derivations (``numpy_reference_credit``) and hand-worked cases.
+
+Random batches come from seeded ``numpy.random.default_rng`` generators, so every run is identical.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ragen_jax.starpo import advantages as adv_lib
+from tests.starpo import numpy_reference as ref
+from tests.starpo import numpy_reference_credit as cref
+from tests.starpo.test_advantages import make_batch, to_jnp
+
+
+def _run(name, rewards, mask, turn_ids=None, group_size=2, whiten=None, **extras):
+    r, m = to_jnp(rewards, mask)
+    t = None if turn_ids is None else jnp.asarray(turn_ids, jnp.int32)
+    adv, ret = adv_lib.compute_advantages(name, r, None, m, t, group_size=group_size, whiten=whiten,
+                                          gamma=extras.pop("gamma", 1.0), extras=extras)
+    return np.asarray(adv, np.float64), np.asarray(ret, np.float64)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_matches_verl_recursion(seed, gamma):
+    rewards, _, mask, turn_ids = make_batch(np.random.default_rng(seed))
+    # Rewards on several sampled tokens, as with KL-in-reward.
+    rewards = rewards + np.where(mask, np.random.default_rng(seed + 10).normal(size=mask.shape) * 0.1, 0.0)
+    adv, ret = _run("reinforce_plus_plus", rewards, mask, gamma=gamma)
+    want_adv, want_ret = cref.reinforce_pp(rewards, mask, gamma)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-5)
+    np.testing.assert_allclose(adv, want_adv, atol=1e-4)
+
+
+def test_reinforce_plus_plus_resets_between_turns_but_multiturn_carries():
+    """Hand-worked: two turns of two sampled tokens, an observation between, the episode score 2.0
+    at the last token. verl's recursion leaves the first turn at 0; the multi-turn variant gives it
+    the score (gamma = 1, unwhitened)."""
+    mask = np.array([[False, True, True, False, True, True]])
+    rewards = np.array([[0, 0, 0, 0, 0, 2.0]])
+    _, ret = _run("reinforce_plus_plus", rewards, mask, group_size=1, whiten=False)
+    np.testing.assert_allclose(ret[0], [0, 0, 0, 0, 2, 2])
+    adv, ret = _run("reinforce_plus_plus_multiturn", rewards, mask, group_size=1, whiten=False)
+    np.testing.assert_allclose(ret[0], [0, 2, 2, 0, 2, 2])
+    adv, _ = _run("reinforce_plus_plus_multiturn", rewards, mask, group_size=1, gamma=0.5, whiten=False)
+    np.testing.assert_allclose(adv[0], [0, 0.25, 0.5, 0, 1, 2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [1.0, 0.8])
+def test_reinforce_plus_plus_multiturn_matches_reference(seed, gamma):
+    rewards, _, mask, _ = make_batch(np.random.default_rng(seed))
+    adv, ret = _run("reinforce_plus_plus_multiturn", rewards, mask, gamma=gamma)
+    want_adv, want_ret = cref.reinforce_pp_multiturn(rewards, mask, gamma)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-5)
+    np.testing.assert_allclose(adv, want_adv, atol=1e-4)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_reinforce_plus_plus_baseline_matches_reference(group_size):
+    rewards, _, mask, _ = make_batch(np.random.default_rng(group_size), batch=6)
+    adv, _ = _run("reinforce_plus_plus_baseline", rewards, mask, group_size=group_size)
+    np.testing.assert_allclose(adv, cref.reinforce_pp_baseline(rewards, mask, group_size), atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_remax_matches_reference_and_signs(seed):
+    rng = np.random.default_rng(seed)
+    rewards, _, mask, _ = make_batch(rng)
+    baselines = rng.normal(size=rewards.shape[0])
+    adv, ret = _run("remax", rewards, mask, reward_baselines=jnp.asarray(baselines, jnp.float32))
+    want_adv, want_ret = cref.remax(rewards, mask, baselines)
+    np.testing.assert_allclose(adv, want_adv, atol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-5)
+    # An episode that beat its greedy rollout is pushed up on every sampled token, one that lost down.
+    scores = rewards.sum(1)
+    beat = scores - baselines
+    last = [np.flatnonzero(mask[b]).min() for b in range(len(scores)) if mask[b].any()]
+    for b, t in zip([b for b in range(len(scores)) if mask[b].any()], last):
+        if rewards[b, :t].sum() == 0 and abs(beat[b]) > 1e-3:
+            assert np.sign(adv[b, t]) == np.sign(beat[b])
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_opo_matches_reference(group_size):
+    rewards, _, mask, _ = make_batch(np.random.default_rng(5 + group_size), batch=6)
+    adv, _ = _run("opo", rewards, mask, group_size=group_size)
+    np.testing.assert_allclose(adv, cref.opo(rewards, mask, group_size), atol=1e-5)
+
+
+def test_gpg_matches_reference_and_ignores_dropped_rows():
+    rewards, _, mask, _ = make_batch(np.random.default_rng(7), batch=6)
+    rewards[1] = 0.0  # a zero score: alpha = rows / non-zero rows > 1
+    mask[4:] = False  # a group the filter dropped does not count in alpha
+    adv, _ = _run("gpg", rewards, mask, group_size=2)
+    np.testing.assert_allclose(adv, cref.gpg(rewards, mask, 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_matches_reference(norm):
+    rewards, _, mask, _ = make_batch(np.random.default_rng(11), batch=8)
+    rewards[2], rewards[3] = 0.0, 0.0  # a tied group: the first row takes it, with gap 0
+    adv, _ = _run("grpo_passk", rewards, mask, group_size=4, norm_adv_by_std=norm)
+    np.testing.assert_allclose(adv, cref.grpo_passk(rewards, mask, 4, norm), atol=1e-4)
+    with pytest.raises(ValueError, match="at least 2"):
+        _run("grpo_passk", rewards, mask, group_size=1)
+
+
+# --- GiGPO ------------------------------------------------------------------------------------
+
+
+def _turn_batch(rng, batch, turns, n_states):
+    """A transcript whose turn ``t`` holds a few sampled tokens with the turn's reward on the last,
+    per-turn rewards / mask / anchor ids drawn from ``n_states`` observations (so anchors repeat)."""
+    turn_mask = np.zeros((batch, turns), bool)
+    for b in range(batch):
+        turn_mask[b, :int(rng.integers(1, turns + 1))] = True
+    turn_rewards = np.where(turn_mask, np.round(rng.normal(size=(batch, turns)), 1), 0.0)
+    anchors = np.where(turn_mask, rng.integers(0, n_states, size=(batch, turns)), 0).astype(np.uint32)
+    length = 2 + turns * 5
+    mask = np.zeros((batch, length), bool)
+    turn_ids = np.full((batch, length), -1)
+    rewards = np.zeros((batch, length))
+    for b in range(batch):
+        for t in range(turns):
+            if turn_mask[b, t]:
+                start = 2 + 5 * t
+                turn_ids[b, start:start + 5] = t
+                mask[b, start + 1:start + 4] = True  # one observation token, three sampled, one close
+                rewards[b, start + 3] = turn_rewards[b, t]
+    return rewards, mask, turn_ids, turn_rewards, turn_mask, anchors
+
+
+def _gigpo(rewards, mask, turn_ids, turn_rewards, turn_mask, anchors, group_size, **kw):
+    return _run("gigpo", rewards, mask, turn_ids, group_size=group_size,
+                turn_rewards=jnp.asarray(turn_rewards, jnp.float32), turn_mask=jnp.asarray(turn_mask),
+                anchor_ids=jnp.asarray(anchors, jnp.uint32), **kw)[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("norm", ["mean", "std"])
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_gigpo_matches_reference(seed, norm, group_size):
+    rng = np.random.default_rng(seed)
+    rewards, mask, turn_ids, turn_rewards, turn_mask, anchors = _turn_batch(rng, 8, 4, n_states=3)
+    weight, gamma = 0.7, 0.9
+    adv = _gigpo(rewards, mask, turn_ids, turn_rewards, turn_mask, anchors, group_size,
+                 step_weight=weight, step_gamma=gamma, step_norm=norm)
+    per_turn = cref.gigpo(rewards.sum(1), turn_rewards, turn_mask, anchors.tolist(), group_size, weight, gamma, norm)
+    want = np.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        for p in range(rewards.shape[1]):
+            if mask[b, p]:
+                want[b, p] = per_turn[b, turn_ids[b, p]]
+    np.testing.assert_allclose(adv, want, atol=1e-4)
+
+
+def test_gigpo_hand_worked():
+    """One group of two episodes on a board. Episode 0 visits states A, B and scores 1 (reward at its
+    second turn); episode 1 visits A, C and scores 0. gamma = 1, mean norm, weight 1.
+
+    Episode term, each episode counted once per turn: scores [1, 1, 0, 0], mean 0.5 -> +0.5, -0.5.
+    Step term: turn 0 of both is state A with returns 1 and 0 (mean 0.5) -> +0.5, -0.5; the second
+    turns (B, C) are alone in their anchor groups -> 0.
+    """
+    turn_rewards = np.array([[0.0, 1.0], [0.0, 0.0]])
+    turn_mask = np.ones((2, 2), bool)
+    anchors = np.array([[7, 8], [7, 9]], np.uint32)
+    rewards = np.zeros((2, 12))
+    mask = np.zeros((2, 12), bool)
+    turn_ids = np.full((2, 12), -1)
+    for b in range(2):
+        for t in range(2):
+            turn_ids[b, 2 + 5 * t:7 + 5 * t] = t
+            mask[b, 3 + 5 * t:6 + 5 * t] = True
+            rewards[b, 5 + 5 * t] = turn_rewards[b, t]
+    adv = _gigpo(rewards, mask, turn_ids, turn_rewards, turn_mask, anchors, 2, step_weight=1.0, step_gamma=1.0,
+                 step_norm="mean")
+    np.testing.assert_allclose(adv[0, 3:6], 1.0)  # 0.5 + 0.5
+    np.testing.assert_allclose(adv[0, 8:11], 0.5)
+    np.testing.assert_allclose(adv[1, 3:6], -1.0)
+    np.testing.assert_allclose(adv[1, 8:11], -0.5)
+    assert np.all(adv[~mask] == 0)
+    stats = adv_lib.anchor_group_stats(jnp.asarray(anchors), jnp.asarray(turn_mask), 2)
+    assert float(stats["shared_turn_fraction"]) == pytest.approx(0.5)  # the two A turns
+    assert float(stats["mean_group_size"]) == pytest.approx(4 / 3)  # {A, A}, {B}, {C}
+
+
+def test_gigpo_without_repeated_states_is_the_per_turn_weighted_grpo():
+    """With every anchor distinct the step term vanishes: what is left is the episode term."""
+    rng = np.random.default_rng(3)
+    rewards, mask, turn_ids, turn_rewards, turn_mask, _ = _turn_batch(rng, 4, 3, n_states=1)
+    anchors = np.arange(12, dtype=np.uint32).reshape(4, 3)
+    adv = _gigpo(rewards, mask, turn_ids, turn_rewards, turn_mask, anchors, 4, step_weight=5.0, step_gamma=1.0,
+                 step_norm="mean")
+    scores, counts = rewards.sum(1), turn_mask.sum(1)
+    mu = (scores * counts).sum() / counts.sum()
+    for b in range(4):
+        np.testing.assert_allclose(adv[b][mask[b]], scores[b] - mu, atol=1e-5)
+
+
+def test_gigpo_is_jittable_and_names_missing_inputs():
+    rng = np.random.default_rng(0)
+    rewards, mask, turn_ids, turn_rewards, turn_mask, anchors = _turn_batch(rng, 4, 3, n_states=2)
+    r, m = to_jnp(rewards, mask)
+    fn = jax.jit(lambda r, m, t, tr, tm, a: adv_lib.compute_advantages(
+        "gigpo", r, None, m, t, group_size=2, extras=dict(turn_rewards=tr, turn_mask=tm, anchor_ids=a))[0])
+    out = fn(r, m, jnp.asarray(turn_ids), jnp.asarray(turn_rewards, jnp.float32), jnp.asarray(turn_mask),
+             jnp.asarray(anchors))
+    assert np.all(np.isfinite(np.asarray(out)))
+    with pytest.raises(ValueError, match="anchor_ids"):
+        adv_lib.compute_advantages("gigpo", r, None, m, jnp.asarray(turn_ids), group_size=2,
+                                   extras=dict(turn_rewards=jnp.asarray(turn_rewards), turn_mask=jnp.asarray(turn_mask)))
+    with pytest.raises(ValueError, match="greedy_baseline"):
+        adv_lib.compute_advantages("remax", r, None, m, group_size=2)
+
+
+@pytest.mark.parametrize("name", ["gigpo", "reinforce_plus_plus", "reinforce_plus_plus_multiturn",
+                                  "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk"])
+def test_better_episodes_get_positive_advantages(name):
+    """Hand-made batch: one group of two one-turn episodes, the first scoring 1, the second 0, from
+    the same state; ReMax's greedy baseline 0.5. The winner's tokens go up, the loser's down (or
+    stay at 0 where the estimator only moves the best, as pass@k does)."""
+    rewards = np.zeros((2, 6))
+    rewards[0, 4] = 1.0
+    mask = np.zeros((2, 6), bool)
+    mask[:, 2:5] = True
+    turn_ids = np.where(np.arange(6)[None] >= 1, 0, -1).repeat(2, 0)
+    extras = dict(turn_rewards=jnp.asarray([[1.0], [0.0]]), turn_mask=jnp.ones((2, 1), bool),
+                  anchor_ids=jnp.zeros((2, 1), jnp.uint32), reward_baselines=jnp.asarray([0.5, 0.5]))
+    adv, _ = _run(name, rewards, mask, turn_ids, group_size=2, **extras)
+    assert np.all(adv[0, 2:5] > 0)
+    if name == "grpo_passk":
+        assert np.all(adv[1] == 0)
+    else:
+        assert np.all(adv[1, 2:5] < 0)
