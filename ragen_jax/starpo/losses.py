@@ -93,16 +93,27 @@ def seq_mean_token_sum(x, mask, row_weights=None):
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(x, mask, row_weights=None):
-    """Token sum over a constant normaliser (Dr. GRPO): ``sum_b w_b sum_t m x / (sum_b w_b * L)``.
+    """verl v0.6.1's ``seq-mean-token-sum-norm``: every token's loss summed over the batch, over the
+    static sequence width ``L`` — ``sum_b w_b sum_t m x / L`` — whatever the number of rows (the name
+    says "seq-mean", verl's formula has none). The denominator is the constant ``L``: the update
+    takes it once per mini-batch, so micro-batching stays exact, but ``combine`` of several parts
+    (which adds denominators) is not this aggregate.
 
-    ``L`` is the static sequence width, so every row counts the same whatever its length.
+    Against ``drgrpo-token-sum-norm`` (the Dr. GRPO paper's objective) the loss and gradient are the
+    number of rows times larger, which shifts how ``grad_clip``, the KL and entropy terms and the
+    value loss weigh against the policy term.
+    """
+    m, row_sum, _, w = _row_terms(x, mask, row_weights)
+    return jnp.sum(w * row_sum), jnp.asarray(float(m.shape[-1]), jnp.float32)
 
-    This is the Dr. GRPO paper's objective (Liu et al., 2025: the ``1/|o_i|`` of GRPO replaced by a
-    constant, the mean over the group's ``G`` responses kept). verl v0.6.1's ``agg_loss`` under the
-    same name divides by ``L`` only — ``sum_b sum_t m x / L``, no mean over rows — so its loss (and
-    gradient) is ours times the number of rows: a learning-rate scale at a fixed batch size, to
-    which AdamW is invariant up to ``eps`` and gradient clipping. Multiply the learning rate (or
-    ``grad_clip``) by the rows per mini-batch to match a verl run exactly.
+
+@LOSS_AGGREGATIONS.register("drgrpo-token-sum-norm")
+def drgrpo_token_sum_norm(x, mask, row_weights=None):
+    """The Dr. GRPO paper's objective (Liu et al., 2025): GRPO's per-response ``1/|o_i|`` replaced by a
+    constant ``L`` (the static sequence width), the mean over responses kept:
+    ``sum_b w_b sum_t m x / (sum_b w_b * L)``. Every row counts the same whatever its length;
+    exact under micro-batching and ``combine``. (This is what this project called
+    ``seq-mean-token-sum-norm`` before that name took verl's meaning.)
     """
     m, row_sum, _, w = _row_terms(x, mask, row_weights)
     return jnp.sum(w * row_sum), jnp.sum(w) * m.shape[-1]
@@ -149,7 +160,7 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 @POLICY_LOSSES.register("ppo", "vanilla")
 def ppo_clip_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                  clip_ratio_c=3.0):
+                  clip_ratio_c=3.0, **_):
     """PPO clipped surrogate with asymmetric clip range and dual clip (spec §5.4).
 
         delta = clamp(logp - old_logp, -20, 20);  rho = exp(delta)
@@ -186,9 +197,205 @@ def ppo_clip_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
     return jnp.where(mask, loss, 0.0), metrics
 
 
+def _ratio_metrics(log_ratio, mask, clipfrac=None, clipfrac_lower=None):
+    zero = jnp.zeros((), jnp.float32)
+    return {"pg_clipfrac": zero if clipfrac is None else _masked_mean(clipfrac.astype(jnp.float32), mask),
+            "pg_clipfrac_lower": zero if clipfrac_lower is None else _masked_mean(clipfrac_lower.astype(jnp.float32), mask),
+            "ppo_kl": _masked_mean(-log_ratio, mask)}
+
+
+def _row_mean(x, mask):
+    """Per-row token mean ``[B]`` over ``mask`` (0 for an empty row)."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(m > 0, x, 0.0), axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+
+
+def sequence_level(fn):
+    """Marks a policy loss whose objective is a mean over sequences: whatever ``starpo.loss_agg_mode``
+    says, its terms are aggregated ``seq-mean-token-mean`` (verl fixes the aggregation of GSPO and
+    GMPO the same way; see ``StarPOConfig.actor_loss_agg_mode``)."""
+    fn.aggregation = "seq-mean-token-mean"
+    return fn
+
+
+@POLICY_LOSSES.register("gspo")
+@sequence_level
+def gspo_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28, **_):
+    """GSPO (Zheng et al., 2025, arXiv 2507.18071; verl's ``gspo``): a sequence-level importance ratio.
+
+        s_i      = exp(mean_{t in y_i} (logp - old_logp))          (length-normalised sequence ratio)
+        s_{i,t}  = sg(s_i) * pi(y_t) / sg(pi(y_t))                 (its value, with token gradients)
+        L_{i,t}  = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high))
+
+    ``log s_{i,t}`` is clamped at 10. Aggregated over sequences (``seq-mean-token-mean``). GSPO's
+    paper uses far tighter ranges (3e-4 / 4e-4) than token-level PPO: set ``clip_ratio_low/high``.
+    Metrics: ``pg_clipfrac`` (tokens where the clipped term is larger), ``ppo_kl``;
+    ``pg_clipfrac_lower`` is 0 (no dual clip).
+    """
+    _check_shapes("gspo_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    log_ratio = logp - old_logp
+    seq_log_ratio = _row_mean(log_ratio, mask)
+    log_s = jnp.minimum(logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)[:, None], 10.0)
+    ratio = jnp.exp(log_s)
+    l1 = -advantages * ratio
+    l2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = jnp.maximum(l1, l2)
+    return jnp.where(mask, loss, 0.0), _ratio_metrics(log_ratio, mask, clipfrac=l2 > l1)
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(logp, old_logp, advantages, loss_mask, **_):
+    """GPG (Chu et al., 2025; verl's ``gpg``): the plain policy gradient ``L = -A logp``, no ratio and
+    no clipping (one optimizer step per batch is what it assumes). ``ppo_kl`` is still reported."""
+    _check_shapes("gpg_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    return jnp.where(mask, -advantages * logp, 0.0), _ratio_metrics(logp - old_logp, mask)
+
+
+def _covariance(advantages, logp, mask):
+    """Per-token centred product ``(A - mean A)(logp - mean logp)`` over the mask (no gradient)."""
+    logp = jax.lax.stop_gradient(logp)
+    return (advantages - _masked_mean(advantages, mask)) * (logp - _masked_mean(logp, mask))
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                  clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, noise=None, **_):
+    """Clip-Cov (Cui et al., 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl's
+    ``clip_cov``): PPO's clipped surrogate (no dual clip, no log-ratio clamp), with the gradient of
+    a few high-covariance tokens cut. Among the tokens the PPO clip left alone whose
+    ``cov = (A - mean A)(logp - mean logp)`` lies in ``(clip_cov_lb, clip_cov_ub)``,
+    ``max(1, int(clip_cov_ratio * tokens))`` are drawn at random and their loss set to 0.
+
+    ``noise`` (uniform ``[B, L]``, from the update's key) orders the draw; without it the first
+    candidates in row-major order are taken. Statistics are over the (micro-)batch the loss sees, as
+    in verl, so unlike the other losses this one depends on ``starpo.micro_batch_size``.
+    Metrics: ``pg_clipfrac`` = fraction of tokens whose gradient was cut; ``ppo_kl``.
+    """
+    _check_shapes("clip_cov_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    log_ratio = logp - old_logp
+    ratio = jnp.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    cov = _covariance(advantages, logp, mask)
+    candidate = mask & ~(l2 > l1) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    n_clip = jnp.maximum(jnp.floor(clip_cov_ratio * jnp.sum(mask)), 1.0)
+    order = jnp.arange(mask.size, dtype=jnp.float32).reshape(mask.shape) / mask.size if noise is None else noise
+    flat = jnp.where(candidate, order, 2.0).reshape(-1)
+    rank = jnp.zeros(flat.shape, jnp.int32).at[jnp.argsort(flat)].set(jnp.arange(flat.size, dtype=jnp.int32))
+    cut = candidate & (rank.reshape(mask.shape) < n_clip)
+    loss = jnp.where(cut, 0.0, jnp.maximum(l1, l2))
+    return jnp.where(mask, loss, 0.0), _ratio_metrics(log_ratio, mask, clipfrac=cut)
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov_loss(logp, old_logp, advantages, loss_mask, *, kl_cov_ratio=0.0002, ppo_kl_coef=1.0, **_):
+    """KL-Cov (Cui et al., 2025; verl's ``kl_cov``): the unclipped surrogate ``-A rho``, plus
+    ``ppo_kl_coef * |logp - old_logp|`` on the ``max(1, int(kl_cov_ratio * tokens))`` tokens with the
+    largest covariance ``(A - mean A)(logp - mean logp)``. Statistics are over the (micro-)batch.
+    Metrics: ``ppo_kl`` is the mean ``|logp - old_logp|`` (as verl reports it); clip fractions 0.
+    """
+    _check_shapes("kl_cov_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    log_ratio = logp - old_logp
+    l1 = -advantages * jnp.exp(log_ratio)
+    cov = jnp.where(mask, _covariance(advantages, logp, mask), -jnp.inf).reshape(-1)
+    k = jnp.maximum(jnp.floor(jnp.sum(mask) * kl_cov_ratio), 1.0)
+    rank = jnp.zeros(cov.shape, jnp.int32).at[jnp.argsort(-cov)].set(jnp.arange(cov.size, dtype=jnp.int32))
+    top = mask & (rank.reshape(mask.shape) < k)
+    # |d| with the subgradient 0 at d = 0 (torch's), not jnp.abs's 1: on-policy the penalty is flat.
+    abs_kl = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
+    loss = jnp.where(top, l1 + ppo_kl_coef * abs_kl, l1)
+    metrics = _ratio_metrics(log_ratio, mask)
+    metrics["ppo_kl"] = _masked_mean(jnp.abs(log_ratio), mask)
+    return jnp.where(mask, loss, 0.0), metrics
+
+
+@POLICY_LOSSES.register("geo_mean")
+@sequence_level
+def geo_mean_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28, **_):
+    """GMPO, geometric-mean policy optimisation (Zhao et al., 2025, arXiv 2507.20673; verl's
+    ``geo_mean``). Per token ``d = logp - old_logp`` is clipped to ``[-eps_low, eps_high]`` on the
+    pessimistic side of the advantage's sign (``sgn(A) min(sgn(A) d, sgn(A) clip(d))``); per sequence
+
+        rho_i = exp(mean_t d_t^clip),   A_i = mean_t A_t,   L_i = -A_i rho_i
+
+    and the loss is the mean over sequences (``seq-mean-token-mean`` of ``L_i`` spread evenly over the
+    row's tokens). Metrics: ``pg_clipfrac`` / ``pg_clipfrac_lower`` = tokens clipped with A > 0 / A < 0.
+    """
+    _check_shapes("geo_mean_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    d = logp - old_logp
+    d_clip = jnp.clip(d, -clip_ratio_low, clip_ratio_high)
+    sgn = jnp.sign(advantages)
+    d_min = sgn * jnp.minimum(sgn * d, sgn * d_clip)
+    m = mask.astype(jnp.float32)
+    n = jnp.sum(m, axis=-1)
+    rho = jnp.exp(jnp.sum(jnp.where(mask, d_min, 0.0), axis=-1) / (n + 1e-8))
+    adv = jnp.sum(jnp.where(mask, advantages, 0.0), axis=-1) / (n + 1e-8)
+    per_row = -adv * rho
+    clipped = d != d_clip
+    # Every token of row i carries L_i, so the row's token mean (seq-mean-token-mean) is L_i.
+    loss = jnp.where(mask, per_row[:, None], 0.0)
+    return loss, _ratio_metrics(d, mask, clipfrac=clipped & (advantages > 0), clipfrac_lower=clipped & (advantages < 0))
+
+
+ROLLOUT_IS_LEVELS = ("token", "sequence", "none")
+
+
+@POLICY_LOSSES.register("rollout_correction")
+def rollout_correction_loss(logp, old_logp, advantages, loss_mask, *, rollout_is="token", rollout_is_threshold=2.0,
+                            rollout_rs="none", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5, **_):
+    """Policy gradient with rollout importance correction, no PPO clip (verl's ``rollout_correction``
+    in its bypass mode, where the old log-probs *are* the rollout policy's):
+
+        w = min(exp(logp - old_logp), rollout_is_threshold)       per token (``rollout_is='token'``)
+          or min(exp(sum_t (logp - old_logp)), threshold)        per sequence (``'sequence'``), 1 for 'none'
+        L = -A logp sg(w)
+
+    Rejection sampling (``rollout_rs`` token | sequence | none) drops tokens / sequences whose ratio
+    lies outside ``[rollout_rs_threshold_lower, rollout_rs_threshold]``. Here ``old_logp`` are the
+    sampling policy's log-probs recomputed by the trainer, equal to the sampler's up to float error,
+    so ``w`` corrects the drift inside one update (several mini-batches or PPO epochs).
+    Metrics: ``ppo_kl``; ``pg_clipfrac`` = fraction of tokens whose weight was truncated,
+    ``pg_clipfrac_lower`` = fraction rejected.
+    """
+    for name, level in (("rollout_is", rollout_is), ("rollout_rs", rollout_rs)):
+        if level not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"starpo.{name}={level!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
+    _check_shapes("rollout_correction_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
+    mask = loss_mask.astype(bool)
+    log_ratio = jax.lax.stop_gradient(jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    seq_log_ratio = jnp.sum(jnp.where(mask, log_ratio, 0.0), axis=-1, keepdims=True)
+    level_ratio = {"token": jnp.exp(log_ratio),
+                   "sequence": jnp.broadcast_to(jnp.exp(jnp.clip(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
+                                                log_ratio.shape),
+                   "none": jnp.ones_like(log_ratio)}
+    ratio = level_ratio[rollout_is]
+    weight = jnp.minimum(ratio, rollout_is_threshold)
+    rs_ratio = level_ratio[rollout_rs]
+    rejected = (rs_ratio > rollout_rs_threshold) | (rs_ratio < rollout_rs_threshold_lower)
+    rejected = rejected & (rollout_rs != "none")
+    keep = mask & ~rejected
+    loss = jnp.where(keep, -advantages * logp * weight, 0.0)
+    return loss, _ratio_metrics(logp - old_logp, mask, clipfrac=ratio > rollout_is_threshold, clipfrac_lower=rejected)
+
+
 def policy_loss(name: str, logp, old_logp, advantages, loss_mask, **hparams):
-    """Looks up ``name`` in ``POLICY_LOSSES`` and applies it; see ``ppo_clip_loss`` for the contract."""
+    """Looks up ``name`` in ``POLICY_LOSSES`` and applies it; see ``ppo_clip_loss`` for the contract.
+
+    Every loss takes every hyper-parameter of ``StarPOConfig.policy_loss_hparams`` and ignores those
+    it does not use, so one call site serves them all.
+    """
     return POLICY_LOSSES.get(name)(logp, old_logp, advantages, loss_mask, **hparams)
+
+
+def loss_aggregation(policy_loss_name: str, loss_agg_mode: str) -> str:
+    """The aggregation the actor objective really uses: a sequence-level loss's own
+    (``sequence_level``), else ``loss_agg_mode``."""
+    return getattr(POLICY_LOSSES.get(policy_loss_name), "aggregation", loss_agg_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +532,7 @@ def actor_objective(
     accumulate exactly over micro-batches (the StarPO update sums them for its metrics).
     """
     per_token, metrics = policy_loss(policy_loss_name, logp, old_logp, advantages, loss_mask, **policy_hparams)
+    loss_agg_mode = loss_aggregation(policy_loss_name, loss_agg_mode)
     num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
     metrics = dict(metrics)
     safe_den = jnp.maximum(den, 1e-12)

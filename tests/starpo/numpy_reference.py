@@ -219,7 +219,10 @@ def aggregate(x, mask, mode, row_weights=None):
             if n > 0:
                 num += w[b] * s
                 den += w[b]
-        elif mode == "seq-mean-token-sum-norm":
+        elif mode == "seq-mean-token-sum-norm":  # verl's agg_loss: sum of everything / L
+            num += w[b] * s
+            den = float(L)
+        elif mode == "drgrpo-token-sum-norm":  # Dr. GRPO: mean over responses of sum / L
             num += w[b] * s
             den += w[b] * L
         else:

@@ -167,3 +167,92 @@ def gigpo(episode_scores, turn_rewards, turn_mask, anchors, group_size, step_wei
             a_s = 0.0 if sd <= 1e-6 else (step_return[(b, t)] - mean(values)) / (sd + 1e-6)
         out[b, t] = a_e + step_weight * a_s
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy losses (verl v0.6.1's registry), per token, one row at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def gspo(logp, old, adv, mask, lo, hi):
+    """Per-token loss and d(loss_token)/d(logp_token) with the sequence ratio held fixed (GSPO's
+    stop-gradient construction); clipfrac over the mask."""
+    B, L = logp.shape
+    loss, grad = np.zeros((B, L)), np.zeros((B, L))
+    clipped = []
+    for b in range(B):
+        toks = [t for t in range(L) if mask[b, t]]
+        if not toks:
+            continue
+        s = math.exp(min(sum(logp[b, t] - old[b, t] for t in toks) / len(toks), 10.0))
+        for t in toks:
+            l1 = -adv[b, t] * s
+            l2 = -adv[b, t] * min(max(s, 1 - lo), 1 + hi)
+            loss[b, t] = max(l1, l2)
+            clipped.append(l2 > l1)
+            grad[b, t] = -adv[b, t] * s if l1 >= l2 else 0.0
+    return loss, grad, mean([float(c) for c in clipped])
+
+
+def gmpo_rows(logp, old, adv, mask, lo, hi):
+    """Per-sequence GMPO loss L_i for the rows with tokens."""
+    out = []
+    for b in range(logp.shape[0]):
+        toks = [t for t in range(logp.shape[1]) if mask[b, t]]
+        if not toks:
+            continue
+        ds = []
+        for t in toks:
+            d = logp[b, t] - old[b, t]
+            dc = min(max(d, -lo), hi)
+            sg = float(np.sign(adv[b, t]))
+            ds.append(sg * min(sg * d, sg * dc))
+        rho = math.exp(sum(ds) / len(toks))
+        a = sum(adv[b, t] for t in toks) / len(toks)
+        out.append(-a * rho)
+    return out
+
+
+def kl_cov(logp, old, adv, mask, ratio, coef):
+    toks = [(b, t) for b in range(logp.shape[0]) for t in range(logp.shape[1]) if mask[b, t]]
+    a_mu = mean(adv[p] for p in toks)
+    l_mu = mean(logp[p] for p in toks)
+    cov = {p: (adv[p] - a_mu) * (logp[p] - l_mu) for p in toks}
+    k = max(1, int(len(toks) * ratio))
+    top = set(sorted(toks, key=lambda p: -cov[p])[:k])
+    loss = np.zeros_like(logp)
+    for p in toks:
+        r = math.exp(logp[p] - old[p])
+        loss[p] = -adv[p] * r + (coef * abs(logp[p] - old[p]) if p in top else 0.0)
+    return loss
+
+
+def clip_cov_candidates(logp, old, adv, mask, lo, hi, lb, ub):
+    """The tokens Clip-Cov may cut, and the plain clipped loss of every token."""
+    toks = [(b, t) for b in range(logp.shape[0]) for t in range(logp.shape[1]) if mask[b, t]]
+    a_mu = mean(adv[p] for p in toks)
+    l_mu = mean(logp[p] for p in toks)
+    loss = np.zeros_like(logp)
+    cands = []
+    for p in toks:
+        r = math.exp(logp[p] - old[p])
+        l1, l2 = -adv[p] * r, -adv[p] * min(max(r, 1 - lo), 1 + hi)
+        loss[p] = max(l1, l2)
+        cov = (adv[p] - a_mu) * (logp[p] - l_mu)
+        if not l2 > l1 and lb < cov < ub:
+            cands.append(p)
+    return loss, cands, toks
+
+
+def rollout_correction(logp, old, adv, mask, level, threshold):
+    """Per-token loss value -A logp w and its gradient -A w (w held fixed)."""
+    loss, grad = np.zeros_like(logp), np.zeros_like(logp)
+    for b in range(logp.shape[0]):
+        toks = [t for t in range(logp.shape[1]) if mask[b, t]]
+        seq = math.exp(sum(logp[b, t] - old[b, t] for t in toks))
+        for t in toks:
+            r = math.exp(logp[b, t] - old[b, t]) if level == "token" else seq if level == "sequence" else 1.0
+            w = min(r, threshold)
+            loss[b, t] = -adv[b, t] * logp[b, t] * w
+            grad[b, t] = -adv[b, t] * w
+    return loss, grad

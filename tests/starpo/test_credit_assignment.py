@@ -236,3 +236,109 @@ def test_better_episodes_get_positive_advantages(name):
         assert np.all(adv[1] == 0)
     else:
         assert np.all(adv[1, 2:5] < 0)
+
+
+# --- policy losses ------------------------------------------------------------------------------
+
+from ragen_jax.starpo import losses  # noqa: E402
+
+
+def _policy_batch(seed, batch=5, length=9):
+    rng = np.random.default_rng(seed)
+    logp = -rng.exponential(1.0, size=(batch, length))
+    old = logp - rng.normal(scale=0.3, size=(batch, length))
+    adv = rng.normal(scale=1.5, size=(batch, length))
+    mask = rng.random((batch, length)) < 0.7
+    mask[:, 0] = False
+    mask[-1] = False
+    return logp, old, adv, mask
+
+
+def _f(*arrays):
+    return [jnp.asarray(a, jnp.float32) if a.dtype.kind == "f" else jnp.asarray(a) for a in arrays]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_loss_and_gradient_match_reference(seed):
+    logp, old, adv, mask = _policy_batch(seed)
+    # One sequence far off-policy so the sequence ratio leaves the clip range.
+    old[0] = logp[0] - 0.8
+    want_loss, want_grad, want_clip = cref.gspo(logp, old, adv, mask, 0.2, 0.28)
+    lp, o, a, m = _f(logp, old, adv, mask)
+    got, metrics = losses.policy_loss("gspo", lp, o, a, m, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    np.testing.assert_allclose(got, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["pg_clipfrac"], want_clip, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(losses.policy_loss("gspo", x, o, a, m)[0]))(lp)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert losses.loss_aggregation("gspo", "token-mean") == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_geo_mean_sequence_losses_match_reference(seed):
+    logp, old, adv, mask = _policy_batch(seed)
+    old[1] = logp[1] - 0.5  # clipped tokens on both sides of the advantage's sign
+    num, den, _ = losses.actor_objective(*_f(logp, old, adv, mask), loss_agg_mode="token-mean",
+                                         policy_loss_name="geo_mean")
+    rows = cref.gmpo_rows(logp, old, adv, mask, 0.2, 0.28)
+    np.testing.assert_allclose(num / den, np.mean(rows), rtol=1e-5)
+
+
+def test_gpg_loss_is_the_plain_policy_gradient():
+    logp, old, adv, mask = _policy_batch(4)
+    lp, o, a, m = _f(logp, old, adv, mask)
+    got, _ = losses.policy_loss("gpg", lp, o, a, m)
+    np.testing.assert_allclose(got, np.where(mask, -adv * logp, 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kl_cov_matches_reference(seed):
+    logp, old, adv, mask = _policy_batch(seed, batch=8, length=20)
+    lp, o, a, m = _f(logp, old, adv, mask)
+    got, metrics = losses.policy_loss("kl_cov", lp, o, a, m, kl_cov_ratio=0.05, ppo_kl_coef=2.0)
+    np.testing.assert_allclose(got, cref.kl_cov(logp, old, adv, mask, 0.05, 2.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["ppo_kl"], np.abs(logp - old)[mask].mean(), rtol=1e-5)
+
+
+def test_clip_cov_cuts_the_drawn_candidates_only():
+    logp, old, adv, mask = _policy_batch(2, batch=8, length=30)
+    adv = adv * 3  # covariances above the lower bound
+    want, cands, toks = cref.clip_cov_candidates(logp, old, adv, mask, 0.2, 0.28, 0.5, 5.0)
+    assert len(cands) >= 3
+    n_clip = max(int(0.02 * len(toks)), 1)
+    noise = np.random.default_rng(0).random(mask.shape)
+    drawn = sorted(cands, key=lambda p: noise[p])[:n_clip]
+    for p in drawn:
+        want[p] = 0.0
+    lp, o, a, m = _f(logp, old, adv, mask)
+    got, metrics = losses.policy_loss("clip_cov", lp, o, a, m, clip_cov_ratio=0.02, clip_cov_lb=0.5, clip_cov_ub=5.0,
+                                      noise=jnp.asarray(noise, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["pg_clipfrac"], len(drawn) / len(toks), rtol=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "none"])
+def test_rollout_correction_matches_reference(level):
+    logp, old, adv, mask = _policy_batch(6)
+    old[2, :] = logp[2, :] - 0.5  # weights above the threshold, truncated
+    want_loss, want_grad = cref.rollout_correction(logp, old, adv, mask, level, 1.5)
+    lp, o, a, m = _f(logp, old, adv, mask)
+    fn = lambda x: losses.policy_loss("rollout_correction", x, o, a, m, rollout_is=level,  # noqa: E731
+                                      rollout_is_threshold=1.5)
+    np.testing.assert_allclose(fn(lp)[0], want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(fn(x)[0]))(lp), want_grad, rtol=1e-5, atol=1e-6)
+    # Rejection: the off-policy row's tokens (ratio e^0.5 > 1.2) are dropped.
+    got, metrics = losses.policy_loss("rollout_correction", lp, o, a, m, rollout_rs="token", rollout_rs_threshold=1.2,
+                                      rollout_rs_threshold_lower=0.0)
+    assert np.all(np.asarray(got)[2] == 0) and float(metrics["pg_clipfrac_lower"]) > 0
+
+
+@pytest.mark.parametrize("name", losses.POLICY_LOSSES.names())
+def test_every_policy_loss_moves_towards_positive_advantages(name):
+    """On-policy (ratio 1), a positive advantage on a token must raise its log-prob: the gradient
+    of the aggregated loss with respect to that log-prob is negative, and positive for A < 0."""
+    logp = jnp.asarray([[-1.0, -2.0], [-0.5, -1.5]])
+    adv = jnp.asarray([[1.0, 1.0], [-1.0, -1.0]])  # one advantage per sequence, as GMPO assumes
+    mask = jnp.ones((2, 2), bool)
+    grad = jax.grad(lambda x: losses.actor_objective(x, logp, adv, mask, policy_loss_name=name)[0])(logp)
+    np.testing.assert_array_less(grad[0], 0.0)
+    np.testing.assert_array_less(0.0, grad[1])

@@ -153,7 +153,20 @@ def test_aggregation_exact_under_micro_batching(mode):
     for cuts in ([4, 8], [1, 2, 3, 5, 11], [6]):
         parts = [losses.aggregate(jnp.asarray(xs, jnp.float32), jnp.asarray(ms), mode, jnp.asarray(ws))
                  for xs, ms, ws in zip(np.split(x, cuts), np.split(mask, cuts), np.split(w, cuts))]
-        np.testing.assert_allclose(losses.combine(parts), full_num / full_den, rtol=1e-5)
+        # The update's way: the numerators of the parts over the whole batch's denominator.
+        den = losses.loss_denominator(jnp.asarray(mask), mode, jnp.asarray(w))
+        np.testing.assert_allclose(sum(p[0] for p in parts) / den, full_num / full_den, rtol=1e-5)
+        if mode != "seq-mean-token-sum-norm":  # verl's constant denominator does not add up over parts
+            np.testing.assert_allclose(losses.combine(parts), full_num / full_den, rtol=1e-5)
+
+
+def test_sum_norm_aggregations_are_verls_and_dr_grpos():
+    """Hand-worked: rows of 3 and 1 tokens with losses 1 each, width L = 4. verl's
+    seq-mean-token-sum-norm is 4 / 4 = 1 (no mean over rows); Dr. GRPO's is 4 / (2 * 4) = 0.5."""
+    x = jnp.ones((2, 4))
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
+    assert float(losses.aggregate_mean(x, mask, "seq-mean-token-sum-norm")) == pytest.approx(1.0)
+    assert float(losses.aggregate_mean(x, mask, "drgrpo-token-sum-norm")) == pytest.approx(0.5)
 
 
 def test_micro_batch_token_mean_differs_from_naive_average():
@@ -182,7 +195,7 @@ def test_gradient_accumulation_is_exact(mode):
     @jax.jit
     def both(th):
         full = jax.grad(lambda t: losses.aggregate_mean(per_token(t, feats), mask, mode))(th)
-        total_den = sum(losses.loss_denominator(mask[s], mode) for s in slices)
+        total_den = losses.loss_denominator(mask, mode)  # once per mini-batch, as the update does
         acc = sum(jax.grad(lambda t, s=s: losses.aggregate(per_token(t, feats[s]), mask[s], mode)[0]
                            / total_den)(th) for s in slices)
         return full, acc
@@ -216,8 +229,8 @@ def test_unknown_names_list_allowed_values():
         losses.aggregate(jnp.zeros((1, 1)), jnp.ones((1, 1)), "mean")
     with pytest.raises(ValueError, match="Unknown KL estimator 'low-var-kl'.*'low_var_kl'"):
         losses.kl_penalty("low-var-kl", jnp.zeros(1), jnp.zeros(1))
-    with pytest.raises(ValueError, match="Unknown policy loss 'gspo'.*'ppo'"):
-        losses.policy_loss("gspo", *([jnp.zeros((1, 1))] * 4))
+    with pytest.raises(ValueError, match="Unknown policy loss 'gspo_token'.*'ppo'"):
+        losses.policy_loss("gspo_token", *([jnp.zeros((1, 1))] * 4))
 
 
 @pytest.mark.parametrize("mode", MODES)
