@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from environments.hashing import lowbias32
 from ragen_jax.models.kv_cache import KVCache, broadcast_cache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.models.sharding import cache_shardings
@@ -95,6 +96,9 @@ class RolloutConfig:
     # for the longest reply); both are prefilled in this many pieces, and the pieces no row reaches
     # are skipped (1 = one piece, never skipped).
     prefill_pieces: int = 4
+    # ReMax: also play one greedy (temperature 0) episode per group inside the same rollout program;
+    # its return is every row's ``Trajectory.reward_baseline`` (costs one more rollout of num_groups rows).
+    greedy_baseline: bool = False
 
     def __post_init__(self):
         for name in ("num_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
@@ -165,6 +169,7 @@ class UserBlock:
     done: chex.Array  # bool [B] episode over after this check (truncation included)
     truncated: chex.Array  # bool [B]
     turn_starts: chex.Array  # int32 [B, T] with this turn's start recorded
+    anchor: chex.Array  # uint32 [B] hash of the observation (``observation_hash``): GiGPO's anchor state
 
 
 def _write(arr, start, values, n):
@@ -173,6 +178,18 @@ def _write(arr, start, values, n):
     j = jnp.arange(values.shape[1])
     dest = jnp.where(j[None] < n[:, None], start[:, None] + j[None], arr.shape[1])
     return arr.at[rows[:, None], dest].set(values, mode="drop")
+
+
+def observation_hash(pieces, n_pieces):
+    """uint32 ``[B]`` hash of each row's observation: its first ``n`` piece ids (``[B, P]``), each mixed
+    with its position and summed, then mixed with the count. The same observation text always gives
+    the same pieces and so the same hash (GiGPO's anchor state); two different ones collide with
+    probability about 2^-32."""
+    j = jnp.arange(pieces.shape[1], dtype=jnp.uint32)
+    word = lowbias32(lowbias32(pieces.astype(jnp.uint32) + jnp.uint32(1)) ^ lowbias32(j + jnp.uint32(0x9E3779B9)))
+    total = jnp.sum(jnp.where(j[None] < n_pieces[:, None].astype(jnp.uint32), word, jnp.uint32(0)), axis=1,
+                    dtype=jnp.uint32)
+    return lowbias32(total ^ lowbias32(n_pieces.astype(jnp.uint32) + jnp.uint32(0x85EBCA6B)))
 
 
 def validation_keys(n: int, seed: int = 123) -> jax.Array:
@@ -390,11 +407,22 @@ class Rollout:
 
     def _rollout_from_key(self, params, key, forced):
         """``num_groups`` reset keys (each shared by the ``group_size`` rows of its group) and the
-        sampling key, both drawn from ``key``; then ``_rollout``."""
+        sampling key, both drawn from ``key``; then ``_rollout`` (and, with ``greedy_baseline``, a
+        greedy episode per group whose return becomes ``reward_baseline``)."""
         c = self.config
         env_key, sample_key = jax.random.split(key)
-        env_keys = jnp.repeat(jax.random.split(env_key, c.num_groups), c.group_size, axis=0)
-        return self._rollout(params, self._constrain(env_keys), sample_key, forced)
+        group_keys = jax.random.split(env_key, c.num_groups)
+        env_keys = jnp.repeat(group_keys, c.group_size, axis=0)
+        traj = self._rollout(params, self._constrain(env_keys), sample_key, forced)
+        if not c.greedy_baseline or forced is not None:
+            return traj
+        # One greedy row per group (every row of a group would play the same episode); on a mesh
+        # all rows, so the batch splits over the devices as the sampled one does.
+        keys = group_keys if self.placement is None else env_keys
+        greedy = self._rollout(params, self._constrain(keys), sample_key, None, greedy=True)
+        baseline = greedy.episode_return if self.placement is not None else jnp.repeat(
+            greedy.episode_return, c.group_size)
+        return traj.replace(reward_baseline=self._constrain(baseline))
 
     def _constrain(self, tree):
         """Pin a pytree of [B, ...] arrays to the batch layout of the mesh (identity without one)."""
@@ -412,11 +440,12 @@ class Rollout:
             )
 
     # ---------------------------------------------------------------------------------------
-    def _rollout(self, params, env_keys, sample_key, forced):
-        """The whole episode batch: reset, system prompt, ``max_turns`` turns under ``lax.scan``, close."""
+    def _rollout(self, params, env_keys, sample_key, forced, greedy: bool = False):
+        """The whole episode batch: reset, system prompt, ``max_turns`` turns under ``lax.scan``, close.
+        ``greedy``: sample at temperature 0 whatever the config says (ReMax's baseline episodes)."""
         model = (self.graphdef, params)
         carry = self._initial_carry(model, env_keys, sample_key)
-        carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t), carry,
+        carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t, greedy), carry,
                                        jnp.arange(self.config.max_turns))
         per_turn = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), per_turn)  # [B, T]
         return self._constrain(self._assemble(carry, per_turn))
@@ -452,7 +481,7 @@ class Rollout:
         return carry.replace(**{f.name: self._constrain(getattr(carry, f.name))
                                 for f in dataclasses.fields(carry) if f.name != "cache"})
 
-    def _turn(self, model, env_keys, forced, carry: TurnCarry, t):
+    def _turn(self, model, env_keys, forced, carry: TurnCarry, t, greedy: bool = False):
         """One turn for every row: user block → context → reply → parse → env steps → record."""
         c, cd = self.config, self.codec
         P0 = len(cd.preamble_ids)
@@ -465,8 +494,8 @@ class Rollout:
         turn_ids = _write(carry.turn_ids, carry.pos, jnp.where(block.source == 0, t - 1, t), block.length)
         prompt_end = carry.pos + block.length
 
-        reply, rlen, rlogp, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen, active,
-                                                      carry.keys, forced, t)
+        reply, rlen, rlogp, stopped, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen, active,
+                                                               carry.keys, forced, t, greedy)
         buf = _write(buf, prompt_end, reply, rlen)
         loss = _write(carry.loss, prompt_end, jnp.ones_like(reply, bool), rlen)
         logp = _write(carry.logp, prompt_end, rlogp, rlen)
@@ -495,6 +524,7 @@ class Rollout:
             r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
             valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
             context_start=self.context.context_start(block.turn_starts, t, P0, active),
+            anchor=jnp.where(active, block.anchor, jnp.uint32(0)), cut=active & ~stopped,
         )
         return new, per_turn
 
@@ -517,22 +547,24 @@ class Rollout:
         turn_starts = carry.turn_starts.at[:, t].set(jnp.where(active, carry.pos + close_len, carry.turn_starts[:, t]))
         return UserBlock(chunk=chunk, length=clen, source=src, close_len=close_len, active=active,
                          done=carry.done | (live & ~fits), truncated=carry.truncated | (live & ~fits),
-                         turn_starts=turn_starts)
+                         turn_starts=turn_starts, anchor=observation_hash(pieces, n_pieces))
 
-    def _reply(self, model, cache, last_logits, start, active, keys, forced, t):
+    def _reply(self, model, cache, last_logits, start, active, keys, forced, t, greedy: bool = False):
         """Sample (or, with ``forced``, replay) up to ``max_new_tokens`` reply tokens from cache slot
-        ``start``. -> ``(tokens [B, N], lengths [B], log-probs [B, N], cache, keys)``."""
+        ``start``. -> ``(tokens [B, N], lengths [B], log-probs [B, N], stopped [B], cache, keys)``;
+        ``stopped``: the reply ended on a stop (a scripted reply always counts as stopped)."""
         c, cd = self.config, self.codec
         B, N = active.shape[0], c.max_new_tokens
         if forced is None:
-            out = generate(model, cache, last_logits, start, active, keys, SamplingConfig.create(
-                c.temperature, c.top_k, c.top_p), self.stop_ids, self.stop_sequences, N, pad_id=cd.pad_id)
-            return out.tokens, out.lengths, out.logprobs, out.cache, out.keys
+            sampling = SamplingConfig.create(0.0 if greedy else c.temperature, c.top_k, c.top_p)
+            out = generate(model, cache, last_logits, start, active, keys, sampling, self.stop_ids,
+                           self.stop_sequences, N, pad_id=cd.pad_id)
+            return out.tokens, out.lengths, out.logprobs, out.stopped, out.cache, out.keys
         ftok = jnp.zeros((B, N), jnp.int32).at[:, : forced.tokens.shape[2]].set(forced.tokens[:, t])
         rlen = jnp.where(active, forced.lengths[:, t], 0)
         ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
         _, cache = prefill(model, cache, ftok, start, rlen, c.prefill_pieces)
-        return ftok, rlen, jnp.zeros((B, N), jnp.float32), cache, keys
+        return ftok, rlen, jnp.zeros((B, N), jnp.float32), active, cache, keys
 
     def _parse(self, reply, rlen, gen_start):
         """Reply tokens → bytes → ``parser.parse_reply``; plus where the reasoning ends in the
@@ -624,6 +656,8 @@ class Rollout:
             response_length=jnp.sum(carry.loss, axis=1).astype(jnp.int32),
             truncated=carry.truncated,
             context_start=pt["context_start"],
+            turn_state_hash=pt["anchor"],
+            turn_reply_cut=pt["cut"],
         )
 
     # ---- batched env access (vmapped JAX env, or a HostEnv's single host call) ---------------

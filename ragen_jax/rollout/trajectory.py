@@ -61,6 +61,15 @@ class Trajectory:
     # int32 [B, T] first transcript token (after the system preamble) that turn t could see: the
     # preamble length in "full" context mode; the start of the oldest kept turn in "limited" mode.
     context_start: chex.Array | None = None
+    # uint32 [B, T] hash of the observation each turn saw (the rendered state, without history or the
+    # reward line): GiGPO's anchor state. Equal observations hash equal; distinct ones collide with
+    # probability ~2^-32 per pair.
+    turn_state_hash: chex.Array | None = None
+    # bool [B, T] the turn's reply ran out of ``max_new_tokens`` without a stop (DAPO's overlong filter).
+    turn_reply_cut: chex.Array | None = None
+    # float32 [B] ReMax's baseline: the return of a greedy episode from the row's start state
+    # (``RolloutConfig.greedy_baseline``).
+    reward_baseline: chex.Array | None = None
 
     @property
     def batch_size(self) -> int:

@@ -105,7 +105,15 @@ class StarPOConfig:
       N positions, and in limited context cuts the per-turn rows (``rollout.cache_len`` wide) to the
       widest turn window the same way (same result, less work when replies are short against a
       loose static bound; one compiled update per distinct width, so keep N coarse). Not with
-      ``loss_agg_mode='seq-mean-token-sum-norm'``, whose constant normaliser is the row width.
+      a ``*-token-sum-norm`` ``loss_agg_mode``, whose constant normaliser is the row width.
+    GiGPO: ``gigpo_step_weight`` (w), ``gigpo_gamma`` (the turn returns' discount), ``gigpo_norm``
+      (mean | std) — see ``advantages.gigpo``. Policy-loss settings: ``clip_cov_*``, ``kl_cov_ratio``,
+      ``ppo_kl_coef``, ``rollout_is*`` / ``rollout_rs*`` (see ``losses``); a sequence-level loss
+      (gspo, geo_mean) aggregates ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says.
+    DAPO: ``overlong_buffer_len`` > 0 shapes each turn's reward by its reply length (soft overlong
+      punishment against ``overlong_max_len``, default ``rollout.max_new_tokens``);
+      ``overlong_filter`` keeps episodes that were cut off (a reply without a stop, or the
+      transcript full) out of the update.
     ``logprob_temperature``: the policy, reference and ratio are scored as ``softmax(logits / T)``
       (verl's convention), so the PPO ratio compares against the distribution the rollout sampled
       from; None = the rollout's ``temperature`` (resolved by the trainer's configuration), 1 for a
@@ -154,6 +162,30 @@ class StarPOConfig:
     logprob_chunk_size: int = 256
     logprob_temperature: Optional[float] = None
     seq_len_multiple: int = 0
+    # GiGPO (adv_estimator='gigpo'): weight of the step term, discount of the turn returns, and the
+    # normalisation of both terms: 'mean' (the reference's mean_norm) or 'std' (mean_std_norm).
+    gigpo_step_weight: float = 1.0
+    gigpo_gamma: float = 0.95
+    gigpo_norm: str = "mean"
+    # Clip-Cov / KL-Cov (policy_loss='clip_cov' / 'kl_cov'), verl's defaults.
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
+    # policy_loss='rollout_correction': importance weights and rejection (token | sequence | none).
+    rollout_is: str = "token"
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str = "none"
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float = 0.5
+    # DAPO's overlong reward shaping (0 = off): replies longer than overlong_max_len - overlong_buffer_len
+    # tokens lose up to overlong_penalty_factor, linearly over the buffer; overlong_max_len None =
+    # rollout.max_new_tokens. overlong_filter: episodes cut by max_seq_len or max_new_tokens do not train.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    overlong_max_len: Optional[int] = None
+    overlong_filter: bool = False
 
     DEFAULT_MINI_BATCH_SIZE = 32
 
@@ -198,10 +230,32 @@ class StarPOConfig:
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
         _check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
+        from ragen_jax.starpo.advantages import GIGPO_NORMS
+        from ragen_jax.starpo.losses import ROLLOUT_IS_LEVELS
+
+        _check(self.gigpo_norm in GIGPO_NORMS, f"{s}.gigpo_norm={self.gigpo_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")
+        _check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
+        _check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
+               f"{s}.gigpo_gamma must be in [0, 1], got {self.gigpo_gamma!r}.")
+        for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
+            _check_number(s, name, getattr(self, name), 0.0, strict=True)
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
+                     "overlong_penalty_factor"):
+            _check_number(s, name, getattr(self, name))
+        for name in ("rollout_is", "rollout_rs"):
+            _check(getattr(self, name) in ROLLOUT_IS_LEVELS,
+                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
+        _check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
+        if self.overlong_max_len is not None:
+            _check_int(s, "overlong_max_len", self.overlong_max_len, 1)
+            _check(self.overlong_buffer_len <= self.overlong_max_len,
+                   f"{s}.overlong_buffer_len={self.overlong_buffer_len} exceeds {s}.overlong_max_len="
+                   f"{self.overlong_max_len}; the buffer is the last part of the allowed length.")
+        _check(isinstance(self.overlong_filter, bool), f"{s}.overlong_filter must be True or False.")
         _check(
-            not (self.seq_len_multiple and self.loss_agg_mode == "seq-mean-token-sum-norm"),
+            not (self.seq_len_multiple and self.loss_agg_mode.endswith("-token-sum-norm")),
             f"{s}.seq_len_multiple={self.seq_len_multiple} would change the row width that "
-            f"{s}.loss_agg_mode='seq-mean-token-sum-norm' divides by; set {s}.seq_len_multiple=0 or "
+            f"{s}.loss_agg_mode={self.loss_agg_mode!r} divides by; set {s}.seq_len_multiple=0 or "
             "use another loss_agg_mode.",
         )
         if self.logprob_temperature is not None:
@@ -239,6 +293,21 @@ class StarPOConfig:
         if self.adv_estimator == "grpo" and not self.norm_adv_by_std:
             return "drgrpo"
         return self.adv_estimator
+
+    @property
+    def actor_loss_agg_mode(self) -> str:
+        """The aggregation of the actor objective: ``loss_agg_mode``, or a sequence-level loss's own."""
+        from ragen_jax.starpo.losses import loss_aggregation
+
+        return loss_aggregation(self.policy_loss, self.loss_agg_mode)
+
+    @property
+    def policy_loss_hparams(self) -> dict:
+        """Every policy loss's settings; each registered loss reads the ones it uses."""
+        names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                 "kl_cov_ratio", "ppo_kl_coef", "rollout_is", "rollout_is_threshold", "rollout_rs",
+                 "rollout_rs_threshold", "rollout_rs_threshold_lower")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def scoring_temperature(self) -> float:
@@ -298,6 +367,9 @@ class FilterConfig:
     score (registry ``GROUP_SCORES``; reward_variance is the group's reward std), ``loss_scaling``
     none | linear | sqrt (scale advantages by the kept ratio, §5.3.2), ``empty_stop_steps``: this many
     consecutive updates with nothing left after filtering raise the early-stop signal.
+    ``dynamic_sampling_rounds`` (DAPO's dynamic sampling; 0 = off): after the rollout, up to this many
+    more rollout rounds refill the batch with groups whose rewards differ, until it holds
+    ``rollout.num_groups`` of them (uninformative groups fill what is still missing).
     """
 
     strategy: str = "top_p"
@@ -309,6 +381,7 @@ class FilterConfig:
     metric: str = "reward_variance"
     loss_scaling: str = "none"
     empty_stop_steps: int = 5
+    dynamic_sampling_rounds: int = 0
 
     @classmethod
     def from_dict(cls, values: Any) -> "FilterConfig":
@@ -327,6 +400,7 @@ class FilterConfig:
         _check_number(s, "eps", self.eps)
         _check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
         _check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
+        _check_int(s, "dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
 
 
 @dataclasses.dataclass(frozen=True)

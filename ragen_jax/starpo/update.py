@@ -44,6 +44,7 @@ from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import collapse as collapse_lib
 from ragen_jax.starpo import losses
+from ragen_jax.starpo import overlong
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
@@ -288,8 +289,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
     """
     mode = cfg.critic_mode
     chunk = cfg.logprob_chunk_size
-    policy_hparams = dict(clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                          clip_ratio_c=cfg.clip_ratio_c)
+    policy_hparams = cfg.policy_loss_hparams
 
     def critic_values(critic_params, critic_rest, tokens, policy_hidden):
         """Values ``V(tokens[:t])`` [B, L] aligned to targets (the value head read at t - 1)."""
@@ -310,10 +310,10 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         old_logp = jax.lax.stop_gradient(logp) if single_pass else mb["old_logp"]
         actor_num, _, terms = losses.actor_objective(
-            logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode, row_weights=row_w,
+            logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.actor_loss_agg_mode, row_weights=row_w,
             policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
             ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type, kl_coef=cfg.kl_coef,
-            **policy_hparams)
+            noise=mb.get("policy_noise"), **policy_hparams)
         aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
         if cfg.use_kl_loss:
             aux["kl_num"] = terms["kl_num"]
@@ -428,6 +428,29 @@ def filter_groups(filter_cfg: FilterConfig, traj: Trajectory, old: dict, loss_ma
     )
 
 
+def shape_rewards(cfg: StarPOConfig, traj: Trajectory) -> tuple[Trajectory, dict]:
+    """Stage 0: reward shaping before anything reads a reward — DAPO's overlong penalty
+    (``overlong_buffer_len`` > 0). -> ``(trajectory, metrics)``."""
+    if not cfg.overlong_buffer_len:
+        return traj, {}
+    if cfg.overlong_max_len is None:
+        raise ValueError("starpo.overlong_buffer_len is set but starpo.overlong_max_len is None; a run's "
+                         "configuration sets it to rollout.max_new_tokens (set it when building the update alone).")
+    traj, penalty = overlong.shape_overlong(traj, max_len=cfg.overlong_max_len, buffer_len=cfg.overlong_buffer_len,
+                                            factor=cfg.overlong_penalty_factor)
+    turns = jnp.maximum(jnp.sum(traj.turn_mask), 1)
+    return traj, {"rollout/overlong_penalty_mean": jnp.sum(penalty) / turns,
+                  "rollout/overlong_penalised_turns": jnp.sum(penalty < 0) / turns}
+
+
+def advantage_extras(cfg: StarPOConfig, traj: Trajectory) -> dict:
+    """What the configured estimator reads beyond token rewards (``AdvantageEstimator.needs``) and the
+    estimator settings; fields the trajectory lacks are left out (the estimator names what is missing)."""
+    return {"turn_rewards": traj.turn_rewards, "turn_mask": traj.turn_mask, "anchor_ids": traj.turn_state_hash,
+            "reward_baselines": traj.reward_baseline, "step_weight": cfg.gigpo_step_weight,
+            "step_gamma": cfg.gigpo_gamma, "step_norm": cfg.gigpo_norm, "norm_adv_by_std": cfg.norm_adv_by_std}
+
+
 def estimate_advantages(cfg: StarPOConfig, filter_cfg: FilterConfig, traj: Trajectory, old: dict, filt,
                         loss_mask: jax.Array, train_mask: jax.Array, group_size: int):
     """Stage 4: episode scores → reward normalisation → (KL in the reward) → advantages and returns.
@@ -452,7 +475,13 @@ def estimate_advantages(cfg: StarPOConfig, filter_cfg: FilterConfig, traj: Traje
     advantages, returns = adv_lib.compute_advantages(
         cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
         gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
-        grpo_length_weight=cfg.length_weighting)
+        grpo_length_weight=cfg.length_weighting, extras=advantage_extras(cfg, traj))
+    if cfg.estimator == "gigpo":
+        stats = adv_lib.anchor_group_stats(traj.turn_state_hash, traj.turn_mask & kept[:, None], group_size)
+        metrics["critic/gigpo_shared_turn_fraction"] = stats["shared_turn_fraction"]
+        metrics["critic/gigpo_anchor_group_size"] = stats["mean_group_size"]
+    if cfg.estimator == "remax" and traj.reward_baseline is not None:
+        metrics["critic/remax_baseline_mean"] = jnp.mean(traj.reward_baseline)
     advantages = advantages * snr_filter.filter_loss_scale(filter_cfg.loss_scaling, filt.kept_ratio)
     metrics.update(_masked_stats(advantages, train_mask, "critic/advantages"))
     metrics.update(_masked_stats(returns, train_mask, "critic/returns"))
@@ -591,7 +620,7 @@ def make_update_step(
         params, opt_state, c_params, c_opt, counts = carry
         grad_fn = grad_fns[single]
         mask, row_w = mb["loss_mask"], mb["row_weights"]
-        den = losses.loss_denominator(mask, cfg.loss_agg_mode, row_w)
+        den = losses.loss_denominator(mask, cfg.actor_loss_agg_mode, row_w)
         value_den = losses.loss_denominator(mask, "token-mean", row_w)
         micro = jax.tree.map(lambda x: x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:]), mb)
 
@@ -668,6 +697,7 @@ def make_update_step(
         else:
             next_key = state.key
         key_collapse, key_shuffle = jax.random.split(key)
+        traj, metrics0 = shape_rewards(cfg, traj)  # 0.
         loss_mask = traj.loss_mask.astype(bool)
         rows = None if per_turn_rows is None else turn_rows(traj, *per_turn_rows)
 
@@ -677,22 +707,31 @@ def make_update_step(
         else:
             old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P)  # 1.
             metrics = sampler_agreement(cfg, old, traj, loss_mask)
+        metrics.update(metrics0)
         c_metrics, collapse_state = diagnose_collapse(graphdefs, cfg, collapse_cfg, state, traj, rows,  # 2.
                                                       key_collapse, num_groups)
         metrics.update(c_metrics)
         filt = filter_groups(filter_cfg, traj, old, loss_mask, group_size)  # 3.
         metrics.update(filt.metrics)
+        if cfg.overlong_filter:  # DAPO: episodes that were cut off do not train
+            cut = overlong.cut_episodes(traj)
+            filt = filt.replace(row_weights=jnp.where(cut, 0.0, filt.row_weights),
+                                is_empty=filt.is_empty | ~jnp.any(~cut & (filt.row_weights > 0)))
+            metrics["rollout/overlong_filtered_rows"] = jnp.sum(cut).astype(jnp.float32)
         kept = filt.row_weights > 0
         train_mask = loss_mask & kept[:, None]
         # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
         if not single:
-            metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.loss_agg_mode)
+            metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.actor_loss_agg_mode)
         advantages, returns, a_metrics = estimate_advantages(cfg, filter_cfg, traj, old, filt, loss_mask,  # 4.
                                                              train_mask, group_size)
         metrics.update(a_metrics)
 
         # 5.–6. PPO epochs × mini-batches × micro-batches.
         data, rows_per_episode = update_batch(cfg, traj, train_mask, filt.row_weights, old, advantages, returns, rows)
+        if cfg.policy_loss == "clip_cov":  # the order in which Clip-Cov draws the tokens it cuts
+            noise = jax.random.uniform(jax.random.fold_in(key_shuffle, 1), data["loss_mask"].shape)
+            data["policy_noise"] = noise
 
         def epoch(carry, epoch_key):
             batches = mini_batches_in_order(data, kept, epoch_key, shuffle=cfg.shuffle, num_mini=num_mini,

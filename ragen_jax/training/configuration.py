@@ -185,6 +185,8 @@ def resolve(config: ConfigDict) -> RunSpec:
     if starpo.logprob_temperature is None and rollout.temperature > 0:  # 0 is refused below
         # Score the ratio's log-probs at the temperature the rollout sampled at (verl's convention).
         starpo = dataclasses.replace(starpo, logprob_temperature=float(rollout.temperature))
+    if starpo.overlong_max_len is None:  # DAPO's length limit is a reply's budget
+        starpo = dataclasses.replace(starpo, overlong_max_len=rollout.max_new_tokens)
     if collapse.max_reasoning_tokens is None:
         # A reasoning lies inside one reply: the MI proxy's scoring buffers need no more room than
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
@@ -223,6 +225,12 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
               "have nothing to learn from; use a temperature > 0 (RAGEN: 1.0). Greedy decoding is for "
               "evaluation: eval.temperature=0")
     _warn_off_policy_ratio(rollout, starpo)
+    if starpo.estimator == "remax" and not rollout.greedy_baseline:
+        _fail("starpo.adv_estimator='remax' needs the greedy episode of every group as its baseline; set "
+              "rollout.greedy_baseline=True")
+    if starpo.estimator in ("grpo_passk",) and rollout.group_size < 2:
+        _fail(f"starpo.adv_estimator='grpo_passk' compares the best two episodes of a group; rollout.group_size="
+              f"{rollout.group_size} needs to be at least 2")
     try:  # the update's own layout: the one place that checks that batches divide
         _, mini = starpo.mini_batch_layout(rollout.batch_size)
         starpo.micro_batch_layout(mini)

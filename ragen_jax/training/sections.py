@@ -126,9 +126,19 @@ class TrainerConfig:
     mi_collapse_needs_plateau: bool = False  # ... and, if set, while the return plateaus
     stop_on_success: float = 0.0  # stop once validation success >= this (0 = never)
     time_limit_minutes: float = 0.0
+    # RAGEN-2's gradient analysis (starpo.gradient_analysis) on steps 1, 1 + N, 1 + 2N, ... (0 = never):
+    # per reward-std bucket, the gradient norms of the loss terms, without changing the parameters.
+    gradient_analysis_every: int = 0
+    gradient_analysis_buckets: str = "quantile"  # quantile | fixed_rv
+    gradient_analysis_num_buckets: int = 6
 
     def __post_init__(self):
         s = "trainer"
+        _int(s, "gradient_analysis_every", self.gradient_analysis_every, 0)
+        _int(s, "gradient_analysis_num_buckets", self.gradient_analysis_num_buckets, 1)
+        from ragen_jax.starpo.gradient_analysis import BUCKETINGS
+
+        BUCKETINGS.validate(self.gradient_analysis_buckets)
         _int(s, "total_steps", self.total_steps, 0)
         for name in ("save_every", "keep_checkpoints", "log_every", "reward_collapse_baseline_steps",
                      "reward_collapse_window", "mi_collapse_window"):

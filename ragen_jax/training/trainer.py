@@ -133,6 +133,8 @@ class Setup:
     state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
     # update_on_rows(W): the update with limited-context turn rows W wide (built once per W)
     update_on_rows: Callable[[int], Callable] | None = None
+    # gradient_analysis(train_state, trajectory) -> metrics (trainer.gradient_analysis_every)
+    gradient_analysis: Callable | None = None
 
 
 def make_placement(spec: RunSpec):
@@ -214,8 +216,17 @@ def setup(spec: RunSpec, placement=None) -> Setup:
                                 shared_prefix_len=len(rollout.codec.preamble_ids),
                                 per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings)
 
+    analysis = None
+    if cfg.trainer.gradient_analysis_every:
+        from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
+
+        analysis = make_gradient_analysis(graphdefs, spec.starpo, spec.filter, group_size=spec.rollout.group_size,
+                                          bucketing=cfg.trainer.gradient_analysis_buckets,
+                                          num_buckets=cfg.trainer.gradient_analysis_num_buckets,
+                                          shared_prefix_len=len(rollout.codec.preamble_ids),
+                                          per_turn_rows=rollout.per_turn_rows, placement=placement)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),
-                 placement, state_shardings, functools.lru_cache(maxsize=None)(update_on_rows))
+                 placement, state_shardings, functools.lru_cache(maxsize=None)(update_on_rows), analysis)
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
@@ -301,7 +312,9 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     step, stop_reason = start_step, None
     for step in steps:
         train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
-                                                 spec.rollout.group_size, spec.starpo.seq_len_multiple)
+                                                 spec.rollout.group_size, spec.starpo.seq_len_multiple,
+                                                 spec.filter.dynamic_sampling_rounds,
+                                                 _analyses_gradients(t.gradient_analysis_every, step))
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
         _log_step(spec, logger, step, metrics, traj, host, run.tokenizer, run.placement)
@@ -333,19 +346,35 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     return _finish(spec, host, step, stop_reason, clock, write=main)
 
 
-def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0):
+def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0,
+                dynamic_sampling_rounds: int = 0, analyse_gradients: bool = False):
     """One StarPO iteration: rollout with the current policy, then the compiled update.
 
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
     multiple of it (``starpo.seq_len_multiple``); in limited context its per-turn rows are cut to
-    the widest window the same way (one compiled update per width).
+    the widest window the same way (one compiled update per width). ``dynamic_sampling_rounds`` > 0:
+    DAPO's dynamic sampling refills the batch with informative groups (``training.dynamic_sampling``);
+    the ``train/*`` statistics stay those of the step's first rollout (the policy as it plays).
+    ``analyse_gradients``: run ``run.gradient_analysis`` on the batch before the update (its
+    ``grad_norm*/`` metrics join the step's; timed as ``timing_s/gradient_analysis``).
 
     Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
     """
     t0 = time.time()
-    traj = run.rollout(_policy_params(train_state), key)
+    params = _policy_params(train_state)
+    traj = run.rollout(params, key)
     rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
+    sampling_metrics = {}
+    if dynamic_sampling_rounds:
+        from ragen_jax.training import dynamic_sampling
+
+        traj, sampling_metrics = dynamic_sampling.refill(run.rollout, params, key, traj, group_size=group_size,
+                                                         max_rounds=dynamic_sampling_rounds, placement=run.placement)
+        if sampling_metrics["rollout/dynamic_sampling_rounds"]:  # the widths of the batch that trains
+            trained = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
+            rollout_stats = dict(rollout_stats, **{k: trained[k] for k in ("sequence_length_max", "window_length_max")
+                                                   if k in trained})
     t1 = time.time()
     width, row_width = update_widths(rollout_stats, traj.seq_len, run.rollout.per_turn_rows, seq_len_multiple)
     if width < traj.seq_len:
@@ -353,11 +382,19 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     update = run.update
     if row_width is not None and row_width < run.rollout.per_turn_rows[1]:
         update = run.update_on_rows(row_width)
+    analysis = {}
+    if analyse_gradients and run.gradient_analysis is not None:  # before the update donates the state
+        t_a = time.time()
+        analysis = to_host_scalars(run.placement.fetch(run.gradient_analysis(train_state, traj)))
+        analysis["timing_s/gradient_analysis"] = time.time() - t_a
+        t1 += analysis["timing_s/gradient_analysis"]  # not part of the update's time
     train_state, update_metrics = update(train_state, traj)
     update_metrics = _drop_uncomputed(to_host_scalars(run.placement.fetch(update_metrics)))
     t2 = time.time()
     metrics = {f"train/{k}": float(v) for k, v in rollout_stats.items()}
     metrics.update(update_metrics)
+    metrics.update(sampling_metrics)
+    metrics.update(analysis)
     metrics["train/update_seq_len"] = float(width)  # the transcript width the update ran on
     if row_width is not None:
         metrics["train/update_row_width"] = float(row_width)  # and its per-turn rows' width
@@ -366,6 +403,11 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     metrics["timing_s/step"] = t2 - t0
     metrics["timing_s/tokens_per_s"] = float(rollout_stats["sampled_tokens"]) / max(t1 - t0, 1e-9)
     return train_state, traj, metrics
+
+
+def _analyses_gradients(every: int, step: int) -> bool:
+    """RAGEN's cadence: the first StarPO step, then every ``every`` steps after it (1, 1 + N, ...)."""
+    return bool(every) and step >= 1 and (step - 1) % every == 0
 
 
 def update_widths(rollout_stats: dict, seq_len: int, per_turn_rows: tuple[int, int] | None,
