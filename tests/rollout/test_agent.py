@@ -47,11 +47,12 @@ def ref_parse(text: bytes, names, max_actions):
 def reference_episode(env, params, key, replies, cfg: RolloutConfig, framing, system, fmt):
     """One episode in plain Python. ``replies``: per turn (full_text, text_without_specials, eot)."""
     _, state = env.reset(key, params)
-    users, assistants, rewards, penalties = [], [], [], []
+    users, assistants, rewards, penalties, boards = [], [], [], [], []
     num_actions, done, success, warn, prev = 0, False, False, False, None
     for t in range(cfg.max_turns):
         if done:
             break
+        boards.append(env.render_text(state, fmt))
         u = prompts.turn_block(t + 1, env.render_text(state, fmt),
                                cfg.max_actions_per_traj - num_actions, warning=warn, enable_think=True,
                                max_words=cfg.max_words)
@@ -83,7 +84,8 @@ def reference_episode(env, params, key, replies, cfg: RolloutConfig, framing, sy
     eot = framing.end_of_turn
     contents = [a[: -len(eot)] if a.endswith(eot) else a for a in assistants]
     text = framing.render(system, users, contents)
-    return dict(text=text, rewards=rewards, penalties=penalties, success=success, num_actions=num_actions)
+    return dict(text=text, rewards=rewards, penalties=penalties, success=success, num_actions=num_actions,
+                boards=boards)
 
 
 def scripted_replies(tok, names, rng, batch, turns, width, eot):
@@ -137,8 +139,12 @@ def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kw
 
     env_key, _ = jax.random.split(key)
     env_keys = jnp.repeat(jax.random.split(env_key, cfg.num_groups), cfg.group_size, axis=0)
+    anchors = {}  # GiGPO's anchor states: equal boards hash equal, different boards differently
     for b in range(cfg.batch_size):
         ref = reference_episode(env, params, env_keys[b], replies[b], cfg, ro.framing, ro.system_text, ro.fmt)
+        for t, board in enumerate(ref["boards"]):
+            anchors.setdefault(board, set()).add(int(traj.turn_state_hash[b, t]))
+        assert not np.asarray(traj.turn_reply_cut[b]).any()  # a scripted reply counts as stopped
         n = int(traj.lengths[b])
         assert decode(tok, traj.tokens[b, :n]) == ref["text"], b
         k = len(ref["rewards"])
@@ -178,6 +184,9 @@ def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kw
                 assert re_ == rs, (reasoning, plain)
     assert not bool(jnp.any(traj.truncated))
     np.testing.assert_array_equal(np.asarray(traj.group_ids), np.arange(cfg.batch_size) // cfg.group_size)
+    assert all(len(h) == 1 for h in anchors.values()), anchors
+    assert len({next(iter(h)) for h in anchors.values()}) == len(anchors)
+    assert any(np.sum(np.asarray(traj.turn_mask), 1) > 1) and len(anchors) > cfg.num_groups
 
 
 def _full_forward_logprobs(graphdef, weights, tokens):
@@ -206,6 +215,29 @@ def test_sampler_logprobs_equal_full_forward_and_determinism():
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(traj.tokens))
     other = ro(weights, jax.random.key(2))
     assert not np.array_equal(np.asarray(other.tokens), np.asarray(traj.tokens))
+
+
+def test_greedy_baseline_is_the_return_of_a_greedy_episode_per_group():
+    """ReMax's baseline, played inside the rollout program: every row of a group gets the return of
+    one temperature-0 episode from the group's start state — what a separate greedy rollout of those
+    start states returns — and the sampled episodes are the ones the rollout plays without it."""
+    import dataclasses
+
+    tok = make_tokenizer("qwen")
+    env = environments.make("frozen_lake")
+    params = env.default_params()
+    cfg = RolloutConfig(num_groups=3, group_size=2, max_turns=3, max_new_tokens=16, max_seq_len=768,
+                        max_obs_tokens=64, greedy_baseline=True)
+    graphdef, weights = tiny_model(tok, seed=3)
+    traj = make_rollout(graphdef, env, params, tok, cfg)(weights, jax.random.key(1))
+    plain = make_rollout(graphdef, env, params, tok, dataclasses.replace(cfg, greedy_baseline=False))
+    np.testing.assert_array_equal(np.asarray(plain(weights, jax.random.key(1)).tokens), np.asarray(traj.tokens))
+    greedy = make_rollout(graphdef, env, params, tok, dataclasses.replace(
+        cfg, greedy_baseline=False, temperature=0.0, num_groups=3, group_size=1))
+    env_key, _ = jax.random.split(jax.random.key(1))
+    ref = greedy.run(weights, jax.random.split(env_key, cfg.num_groups), jax.random.key(9))
+    np.testing.assert_allclose(np.asarray(traj.reward_baseline),
+                               np.repeat(np.asarray(ref.episode_return), cfg.group_size), atol=1e-6)
 
 
 def test_validation_keys_are_fixed_and_distinct():
