@@ -45,6 +45,10 @@ def test_diagnose_collapse_notebook_runs(tmp_path):
     assert f"{int(sum(flags))} MI computations" in outputs and "regime at the last computation:" in outputs
     assert "first-turn reasonings, mean MI" in outputs and "MI share" in outputs
     assert "the most input-specific reasoning" in outputs
+    # RAGEN-2's gradient analysis ran at every step (quick mode) and the notebook draws its buckets.
+    analysed = [s for s, _ in read_scalars(tmp_path / "run" / "tensorboard")["grad_norm/all/task"]]
+    assert analysed == [1, 2, 3], analysed
+    assert "gradient analysis at steps [1, 2, 3]" in outputs and "q1:" in outputs and "all:" in outputs
 
 
 def _install_cell(name):
