@@ -244,8 +244,10 @@ def test_empty_mask_gives_finite_zeros(estimator):
     r = jnp.ones((4, 6))
     m = jnp.zeros((4, 6), bool)
     tid = jnp.zeros((4, 6), jnp.int32)
+    extras = dict(turn_rewards=jnp.ones((4, 2)), turn_mask=jnp.zeros((4, 2), bool),
+                  anchor_ids=jnp.zeros((4, 2), jnp.uint32), reward_baselines=jnp.ones(4))
     a, ret = adv_lib.compute_advantages(estimator, r, r, m, tid, group_size=2, whiten=True,
-                                        grpo_length_weight=estimator.startswith(("grpo", "dr")))
+                                        grpo_length_weight=estimator.startswith(("grpo", "dr")), extras=extras)
     assert np.all(np.asarray(a) == 0) and np.all(np.asarray(ret) == 0)
 
 
