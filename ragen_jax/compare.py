@@ -6,7 +6,7 @@
 
 Every run is the config file with the command line's ``--config.*`` overrides, then one variant's
 overrides (``key=value`` joined by ``+``; an optional ``label:`` in front names the row), and seed
-``config.seed + i`` for ``i < --seeds``. All runs share one behaviour-cloning warm-up
+``config.seed + i`` for ``i < --seeds`` (a variant that sets ``seed`` itself counts from its own). All runs share one behaviour-cloning warm-up
 (``warmup.cache_dir``, default ``<out>/warmup_cache``): it is computed by the first run and
 restored by the others, so the runs differ only in what the variant changes after it, and in the
 RL seed. Runs are executed seed by seed (every variant once, then every variant again, ...) in
@@ -137,7 +137,7 @@ def run_configs(base, variants: list[Variant], seeds: int, out: Path) -> list[tu
         for v in variants:
             cfg = copy.deepcopy(base)
             apply_overrides(cfg, v.overrides)
-            cfg.seed = int(base.seed) + i
+            cfg.seed = int(cfg.seed) + i  # a variant that sets its own seed keeps it (offset by the seed index)
             cfg.workdir = str(out / v.slug / f"seed{i}")
             if not cfg.warmup.cache_dir:
                 cfg.warmup.cache_dir = str(out / "warmup_cache")

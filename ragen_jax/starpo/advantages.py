@@ -206,6 +206,7 @@ class AdvantageEstimator:
     uses_critic: bool
     whiten_default: bool
     needs: tuple[str, ...] = ()
+    group_relative: bool = False  # its baseline is the other episodes of the group: needs group_size >= 2
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -602,22 +603,29 @@ def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_reward
 
 ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimator(gae, uses_critic=True, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("bilevel_gae", AdvantageEstimator(bilevel_gae, uses_critic=True, whiten_default=True))
-ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False))
-ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False))
-ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimator(rloo, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
+ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
+ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimator(rloo, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
 ADVANTAGE_ESTIMATORS.add("gigpo", AdvantageEstimator(gigpo, uses_critic=False, whiten_default=False,
-                                                     needs=("turn_rewards", "turn_mask", "anchor_ids")))
+                                                     needs=("turn_rewards", "turn_mask", "anchor_ids"),
+                                                     group_relative=True))
 ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus", AdvantageEstimator(reinforce_plus_plus, uses_critic=False,
                                                                    whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_multiturn", AdvantageEstimator(
     reinforce_plus_plus_multiturn, uses_critic=False, whiten_default=True))
 ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_baseline", AdvantageEstimator(
-    reinforce_plus_plus_baseline, uses_critic=False, whiten_default=True))
+    reinforce_plus_plus_baseline, uses_critic=False, whiten_default=True, group_relative=True))
 ADVANTAGE_ESTIMATORS.add("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False,
                                                      needs=("reward_baselines",)))
-ADVANTAGE_ESTIMATORS.add("opo", AdvantageEstimator(opo, uses_critic=False, whiten_default=False))
-ADVANTAGE_ESTIMATORS.add("gpg", AdvantageEstimator(gpg, uses_critic=False, whiten_default=False))
-ADVANTAGE_ESTIMATORS.add("grpo_passk", AdvantageEstimator(grpo_passk, uses_critic=False, whiten_default=False))
+ADVANTAGE_ESTIMATORS.add("opo", AdvantageEstimator(opo, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
+ADVANTAGE_ESTIMATORS.add("gpg", AdvantageEstimator(gpg, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
+ADVANTAGE_ESTIMATORS.add("grpo_passk", AdvantageEstimator(grpo_passk, uses_critic=False, whiten_default=False,
+                                                       group_relative=True))
 
 
 def length_weight(advantages: Array, loss_mask: Array) -> Array:

@@ -401,6 +401,13 @@ class FilterConfig:
         _check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
         _check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
         _check_int(s, "dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
+        # Settings that would keep no group at all, so every update would be skipped in silence.
+        _check(not (self.strategy == "top_p" and self.value <= 0),
+               f"{s}.value={self.value!r} with {s}.strategy='top_p' keeps no group (the kept share of the reward "
+               "spread); use a value in (0, 1] (1.0 keeps every group).")
+        _check(not (self.strategy == "min_p" and self.value > 1),
+               f"{s}.value={self.value!r} with {s}.strategy='min_p' keeps no group (it keeps groups whose score is "
+               "at least value x the best one's); use a value in [0, 1].")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,7 +192,7 @@ def resolve(config: ConfigDict) -> RunSpec:
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
-    _check_across_sections(env_name, rollout, starpo, warmup)
+    _check_across_sections(env_name, rollout, starpo, warmup, filt)
     return RunSpec(config=config, env_name=env_name, env_kwargs=env_kwargs,
                    env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
                    collapse=collapse, preset=preset)
@@ -217,7 +217,7 @@ def _warn_off_policy_ratio(rollout, starpo) -> None:
                       "for an exact ratio", stacklevel=3)
 
 
-def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
+def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None:
     """Constraints between sections: training temperature, batch layout, a solver for the warm-up."""
     if rollout.temperature <= 0:
         _fail(f"rollout.temperature={rollout.temperature} would make every training rollout greedy: the "
@@ -228,9 +228,16 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup) -> None:
     if starpo.estimator == "remax" and not rollout.greedy_baseline:
         _fail("starpo.adv_estimator='remax' needs the greedy episode of every group as its baseline; set "
               "rollout.greedy_baseline=True")
-    if starpo.estimator in ("grpo_passk",) and rollout.group_size < 2:
-        _fail(f"starpo.adv_estimator='grpo_passk' compares the best two episodes of a group; rollout.group_size="
-              f"{rollout.group_size} needs to be at least 2")
+    from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS
+
+    if ADVANTAGE_ESTIMATORS.get(starpo.estimator).group_relative and rollout.group_size < 2:
+        _fail(f"starpo.adv_estimator={starpo.adv_estimator!r} compares the episodes of a group with each other, and "
+              f"rollout.group_size=1 leaves none to compare: every advantage would be 0 or the raw score; set "
+              "rollout.group_size >= 2, or use an estimator with its own baseline (gae, remax, reinforce_plus_plus)")
+    if rollout.group_size < 2 and not filt.include_zero and filt.metric.endswith("variance"):
+        _fail(f"rollout.group_size=1 gives every group a spread of 0 (filter.metric={filt.metric!r}), and "
+              "filter.include_zero=False drops "
+              "such groups: every update would be skipped; set filter.include_zero=True or rollout.group_size >= 2")
     try:  # the update's own layout: the one place that checks that batches divide
         _, mini = starpo.mini_batch_layout(rollout.batch_size)
         starpo.micro_batch_layout(mini)

@@ -43,6 +43,15 @@ def test_overrides_name_unknown_keys_and_bad_values():
                         cmp.Path("/tmp/unused"))
 
 
+def test_a_variant_that_sets_its_seed_keeps_it(tmp_path):
+    """``s5:seed=5,s7:seed=7`` compares two seeds (it once ran both at the base seed); a variant
+    without a seed counts from the config's."""
+    runs = cmp.run_configs(frozen_lake.get_config(), cmp.parse_variants("s5:seed=5,s7:seed=7,plain:filter.value=0.9"),
+                           2, tmp_path)
+    assert [(v.label, i, cfg.seed) for v, i, cfg in runs] == [
+        ("s5", 0, 5), ("s7", 0, 7), ("plain", 0, 0), ("s5", 1, 6), ("s7", 1, 8), ("plain", 1, 1)]
+
+
 def test_paired_test_hand_worked():
     # Six puzzles, all better by 1: Wilcoxon's exact two-sided p = 2 / 2^6 (every sign positive).
     a, b = np.ones(6), np.zeros(6)

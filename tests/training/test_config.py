@@ -62,6 +62,18 @@ def test_pretrained_presets_use_original_learning_rates(tmp_path):
     (lambda c: setattr(c.model, "dtype", "float16"), ["model.dtype", "bfloat16"]),
     (lambda c: setattr(c.eval, "temperature", -1.0), ["eval.temperature"]),
     (lambda c: setattr(c.rollout, "context_mode", "window"), ["context_mode='window'", "'limited'", "'full'"]),
+    # Settings that would train on nothing while the run "succeeds": refused at start-up.
+    (lambda c: (setattr(c.starpo, "adv_estimator", "grpo"), setattr(c.rollout, "group_size", 1),
+                setattr(c.starpo, "mini_batch_size", 8)), ["adv_estimator='grpo'", "rollout.group_size=1"]),
+    (lambda c: (setattr(c.starpo, "adv_estimator", "gae"), setattr(c.rollout, "group_size", 1),
+                setattr(c.filter, "include_zero", False), setattr(c.starpo, "mini_batch_size", 8)),
+     ["rollout.group_size=1", "filter.include_zero=True"]),
+    (lambda c: setattr(c.filter, "value", 0.0), ["filter.value=0.0", "top_p", "keeps no group"]),
+    (lambda c: (setattr(c.filter, "strategy", "min_p"), setattr(c.filter, "value", 1.5)),
+     ["filter.value=1.5", "min_p", "[0, 1]"]),
+    (lambda c: setattr(c.starpo, "gigpo_norm", "median"), ["gigpo_norm='median'", "mean", "std"]),
+    (lambda c: setattr(c.starpo, "policy_loss", "gspo2"), ["gspo2", "gspo", "geo_mean"]),
+    (lambda c: setattr(c.trainer, "gradient_analysis_buckets", "deciles"), ["deciles", "quantile", "fixed_rv"]),
 ])
 def test_invalid_values_name_key_and_allowed(mutate, expected):
     _assert_refused(sokoban.get_config(), mutate, expected)
