@@ -601,31 +601,26 @@ def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_reward
     return adv, adv
 
 
-ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimator(gae, uses_critic=True, whiten_default=True))
-ADVANTAGE_ESTIMATORS.add("bilevel_gae", AdvantageEstimator(bilevel_gae, uses_critic=True, whiten_default=True))
-ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimator(grpo, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
-ADVANTAGE_ESTIMATORS.add("drgrpo", AdvantageEstimator(drgrpo, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
-ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimator(rloo, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
-ADVANTAGE_ESTIMATORS.add("gigpo", AdvantageEstimator(gigpo, uses_critic=False, whiten_default=False,
-                                                     needs=("turn_rewards", "turn_mask", "anchor_ids"),
-                                                     group_relative=True))
-ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus", AdvantageEstimator(reinforce_plus_plus, uses_critic=False,
-                                                                   whiten_default=True))
-ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_multiturn", AdvantageEstimator(
-    reinforce_plus_plus_multiturn, uses_critic=False, whiten_default=True))
-ADVANTAGE_ESTIMATORS.add("reinforce_plus_plus_baseline", AdvantageEstimator(
-    reinforce_plus_plus_baseline, uses_critic=False, whiten_default=True, group_relative=True))
-ADVANTAGE_ESTIMATORS.add("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False,
-                                                     needs=("reward_baselines",)))
-ADVANTAGE_ESTIMATORS.add("opo", AdvantageEstimator(opo, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
-ADVANTAGE_ESTIMATORS.add("gpg", AdvantageEstimator(gpg, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
-ADVANTAGE_ESTIMATORS.add("grpo_passk", AdvantageEstimator(grpo_passk, uses_critic=False, whiten_default=False,
-                                                       group_relative=True))
+_CRITIC = dict(uses_critic=True, whiten_default=True)
+_WHITENED = dict(uses_critic=False, whiten_default=True)
+_GROUP = dict(uses_critic=False, whiten_default=False, group_relative=True)
+for _name, _est in (
+    ("gae", AdvantageEstimator(gae, **_CRITIC)),
+    ("bilevel_gae", AdvantageEstimator(bilevel_gae, **_CRITIC)),
+    ("grpo", AdvantageEstimator(grpo, **_GROUP)),
+    ("drgrpo", AdvantageEstimator(drgrpo, **_GROUP)),
+    ("rloo", AdvantageEstimator(rloo, **_GROUP)),
+    ("gigpo", AdvantageEstimator(gigpo, **_GROUP, needs=("turn_rewards", "turn_mask", "anchor_ids"))),
+    ("reinforce_plus_plus", AdvantageEstimator(reinforce_plus_plus, **_WHITENED)),
+    ("reinforce_plus_plus_multiturn", AdvantageEstimator(reinforce_plus_plus_multiturn, **_WHITENED)),
+    ("reinforce_plus_plus_baseline", AdvantageEstimator(reinforce_plus_plus_baseline, **_WHITENED,
+                                                        group_relative=True)),
+    ("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False, needs=("reward_baselines",))),
+    ("opo", AdvantageEstimator(opo, **_GROUP)),
+    ("gpg", AdvantageEstimator(gpg, **_GROUP)),
+    ("grpo_passk", AdvantageEstimator(grpo_passk, **_GROUP)),
+):
+    ADVANTAGE_ESTIMATORS.add(_name, _est)
 
 
 def length_weight(advantages: Array, loss_mask: Array) -> Array:

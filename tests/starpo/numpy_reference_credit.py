@@ -52,15 +52,18 @@ def reinforce_pp_multiturn(rewards, mask, gamma):
     return _whiten(ret, mask), ret
 
 
-def reinforce_pp_baseline(rewards, mask, group_size):
-    scores = rewards.sum(axis=1)
+def _group_mean_of_row(scores, group_size):
+    """Each row's group mean of ``scores`` (0 for a group of one), collected through a dict."""
     by_group = defaultdict(list)
     for b, g in enumerate(_group_index(len(scores), group_size)):
         by_group[g].append(scores[b])
-    adv = np.zeros_like(rewards)
-    for b, g in enumerate(_group_index(len(scores), group_size)):
-        mu = 0.0 if len(by_group[g]) == 1 else mean(by_group[g])
-        adv[b] = (scores[b] - mu) * mask[b]
+    return [0.0 if len(by_group[g]) == 1 else mean(by_group[g]) for g in _group_index(len(scores), group_size)]
+
+
+def reinforce_pp_baseline(rewards, mask, group_size):
+    scores = rewards.sum(axis=1)
+    mu = _group_mean_of_row(scores, group_size)
+    adv = np.stack([(scores[b] - mu[b]) * mask[b] for b in range(len(scores))])
     return _whiten(adv, mask)
 
 
@@ -93,14 +96,8 @@ def gpg(rewards, mask, group_size, f_norm=1.0):
     training = [b for b in range(len(scores)) if mask[b].any()]
     nonzero = [b for b in training if scores[b] != 0]
     alpha = len(training) / max(len(nonzero), 1)
-    members = defaultdict(list)
-    for b, g in enumerate(_group_index(len(scores), group_size)):
-        members[g].append(scores[b])
-    adv = np.zeros_like(rewards)
-    for b, g in enumerate(_group_index(len(scores), group_size)):
-        mu = 0.0 if len(members[g]) == 1 else mean(members[g])
-        adv[b] = alpha * (scores[b] - mu) / f_norm * mask[b]
-    return adv
+    mu = _group_mean_of_row(scores, group_size)
+    return np.stack([alpha * (scores[b] - mu[b]) / f_norm * mask[b] for b in range(len(scores))])
 
 
 def grpo_passk(rewards, mask, group_size, norm_by_std=True):
