@@ -366,3 +366,30 @@ def test_bad_parameters_raise(kwargs, match):
 def test_unknown_render_format_raises(env):
     with pytest.raises(ValueError, match="observation_format"):
         env.render_text(spec_state(), "ascii")
+
+
+def test_reward_shaping_hand_worked():
+    """Level of ``reset(key(0))``: player (4, 2), box (3, 3), target (1, 3). Off by default (the
+    original's rewards); with distance shaping 0.5 a push that brings the box one cell closer earns
+    +0.5, with a no-op penalty 0.2 walking into a wall costs 0.2 more."""
+    import environments
+
+    env = environments.make("sokoban")
+    _, st = env.reset(jax.random.key(0), env.default_params())
+    assert env.render_text(st).splitlines()[3:5] == ["#_#X_#", "#_P__#"]
+    up, right = 0, 3
+    plain = env.default_params()
+    shaped = env.default_params(distance_shaping=0.5, noop_penalty=0.2)
+    key = jax.random.key(1)
+    _, s_plain, r, *_ = env.step_env(key, st, up, plain)  # wall above the player: nothing moves
+    assert float(r) == pytest.approx(-0.1)
+    _, _, r, *_ = env.step_env(key, st, up, shaped)
+    assert float(r) == pytest.approx(-0.3)
+    _, st2, r, *_ = env.step_env(key, st, right, shaped)  # a step, no push: no shaping
+    assert float(r) == pytest.approx(-0.1)
+    _, _, r, *_ = env.step_env(key, st2, up, shaped)  # push the box from (3, 3) to (2, 3): 2 -> 1
+    assert float(r) == pytest.approx(-0.1 + 0.5)
+    _, _, r, *_ = env.step_env(key, st2, up, plain)
+    assert float(r) == pytest.approx(-0.1)
+    with pytest.raises(ValueError, match="noop_penalty"):
+        env.default_params(noop_penalty=-1.0)
