@@ -119,14 +119,21 @@ def run_eval(spec) -> dict[str, float]:
     Without a checkpoint in ``workdir/checkpoints`` the preset's initial model is evaluated (e.g. a
     pretrained Qwen2.5 checkpoint before any RL).
     """
+    from ragen_jax.training.workdir import WorkdirLock
+
+    with WorkdirLock(spec.config.workdir):  # the evaluation writes its records there: no run alongside
+        return _run_eval(spec)
+
+
+def _run_eval(spec) -> dict[str, float]:
+    """``run_eval``'s body, under the workdir's lock."""
     from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.training.trainer import setup
+    from ragen_jax.training.trainer import _policy_params, setup
     from ragen_jax.training.workdir import check_eval_workdir
 
     cfg = spec.config
     for note in check_eval_workdir(cfg):  # refuses another env's or model's config
         print(f"note: {note}")
-    from ragen_jax.training.trainer import _policy_params
 
     run = setup(spec)
     params = _policy_params(run.train_state)

@@ -12,6 +12,7 @@ from its checkpoint logs bit-for-bit what an uninterrupted run logs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -281,12 +282,22 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     ``step_callback(step, metrics)`` runs after each step; raising ``StopTraining`` from it saves a
     checkpoint of that step and ends the run (tests use it to interrupt and resume).
     """
+    from ragen_jax.training.workdir import WorkdirLock
+
+    clock = (time.time(), time.process_time())
+    placement = make_placement(spec)
+    # One writer per workdir: the main process holds its lock for the whole run (a second run is refused).
+    lock = WorkdirLock(spec.config.workdir) if placement.is_main else contextlib.nullcontext()
+    with lock:
+        return _train(spec, placement, clock, step_callback)
+
+
+def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
+    """``train``'s body, under the workdir's lock."""
     from ragen_jax.training.workdir import trim_records
 
     cfg, t = spec.config, spec.config.trainer
     workdir = Path(cfg.workdir)
-    clock = (time.time(), time.process_time())
-    placement = make_placement(spec)
     resume = _prepare_workdir(spec, placement)  # refuses to mix runs; writes config.json
     run = setup(spec, placement)
     main = placement.is_main  # the one process that writes logs, transcripts and the summary

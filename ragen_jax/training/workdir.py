@@ -14,6 +14,7 @@ it and decides:
   is refused with every differing key.
 
 ``check_eval_workdir`` does the same for ``mode=eval``: the env and model must be the run's own.
+``WorkdirLock`` keeps a second process from writing into a workdir a run is using.
 """
 from __future__ import annotations
 
@@ -36,10 +37,87 @@ RESUME_SAFE_KEYS = (
     "warmup.cache_dir",  # where a warm-up is kept, not what it computes
     # A checkpoint restores onto any mesh (orbax reshards it), so a run may resume on other hardware.
     "mesh.data", "mesh.fsdp", "mesh.tensor",
+    # The gradient analysis measures; it changes no parameter.
+    "trainer.gradient_analysis_every", "trainer.gradient_analysis_buckets", "trainer.gradient_analysis_num_buckets",
 )
 # In eval mode only these must be the run's own: a checkpoint scored on another env or restored
 # into another model measures nothing.
 EVAL_MUST_MATCH = ("env.", "model.")
+
+
+# --- one writer per workdir -----------------------------------------------------------------------
+
+
+def lock_path(workdir: str | Path) -> Path:
+    """Where a workdir's lock lives: beside it (``.<name>.lock``), so that moving the workdir aside
+    (``trainer.overwrite``) does not move the lock with it."""
+    workdir = Path(workdir).expanduser().absolute()
+    return workdir.parent / f".{workdir.name}.lock"
+
+
+class WorkdirLock:
+    """An exclusive, advisory lock that makes a workdir one run's (``fcntl.flock`` on ``lock_path``).
+
+    The kernel drops the lock when its holder dies, however it dies (``kill -9`` included), so a lock
+    left by a dead run is simply taken over, with a note naming it. The file holds the holder's PID,
+    host and start time, which a refused second run names. Used as a context manager.
+    """
+
+    def __init__(self, workdir: str | Path):
+        self.workdir = Path(workdir)
+        self.path = lock_path(workdir)
+        self._file = None
+        self.note: str | None = None
+
+    def acquire(self) -> "WorkdirLock":
+        import fcntl
+        import socket
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")
+        except OSError as e:
+            raise ConfigError(f"cannot create the lock {self.path} for workdir={str(self.workdir)!r}: "
+                              f"{e.strerror}; choose a writable --config.workdir") from None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ConfigError(f"workdir={str(self.workdir)!r} is in use by another run ({holder}); a workdir holds one "
+                              "run: wait for it to end, or choose another --config.workdir") from None
+        handle.seek(0)
+        previous = handle.read().strip()
+        if previous:  # its holder released the lock without clearing it: it died
+            self.note = f"took over the lock of workdir {str(self.workdir)!r} from a run that is gone ({previous})"
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        import fcntl
+
+        self._file.seek(0)
+        self._file.truncate()  # an empty lock file: its last holder ended cleanly
+        self._file.flush()
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+        self._file.close()
+        self._file = None
+
+    def __enter__(self) -> "WorkdirLock":
+        self.acquire()
+        if self.note:
+            print(f"note: {self.note}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 from configs import frozen_lake
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
 from ragen_jax.training.configuration import ConfigError, resolve
-from ragen_jax.training.workdir import (check_eval_workdir, config_as_json, explain_mismatch,
+from ragen_jax.training.workdir import (WorkdirLock, check_eval_workdir, config_as_json, explain_mismatch,
                                         prepare_training_workdir, trim_records)
 from tests.training.test_trainer import small_config
 
@@ -220,3 +220,55 @@ def test_end_to_end_resume_false_refused_then_overwrite_trains_fresh(tmp_path):
     ckpt.close()
     assert json.loads((workdir / "config.json").read_text())["rollout"]["temperature"] == 0.9
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]) == 1
+
+
+# --- one writer per workdir -----------------------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from ragen_jax.training.workdir import WorkdirLock
+lock = WorkdirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(workdir):
+    """A separate process that takes the workdir's lock and holds it (bounded: 120 s)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(workdir)], stdout=subprocess.PIPE, text=True,
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(tmp_path):
+    from ragen_jax.training.trainer import train
+
+    workdir = tmp_path / "run"
+    proc = _holder(workdir)
+    try:
+        with pytest.raises(ConfigError, match=rf"in use by another run \(PID {proc.pid} on .*choose another"):
+            train(small_config(workdir, total_steps=1))
+        assert not (workdir / "config.json").exists()  # refused before touching the workdir
+        with pytest.raises(ConfigError, match=f"PID {proc.pid}"):
+            WorkdirLock(workdir).acquire()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, capsys):
+    import signal
+
+    workdir = tmp_path / "run"
+    proc = _holder(workdir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    with WorkdirLock(workdir) as lock:
+        assert f"PID {proc.pid}" in lock.note
+    assert "took over the lock" in capsys.readouterr().out
+    with WorkdirLock(workdir) as lock:  # released cleanly: no note the next time
+        assert lock.note is None
