@@ -96,21 +96,50 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
 
 
 class Logger:
-    """TensorBoard writer (tensorboardX) plus an optional JSONL mirror of every scalar row."""
+    """TensorBoard writer (tensorboardX).
+
+    An events file deleted while the run writes to it is noticed at the next step's scalars: a
+    warning names it and a new file takes the rest of the run (nothing is written into the void).
+    """
 
     def __init__(self, log_dir: str | os.PathLike, enabled: bool = True):
         self.log_dir = Path(log_dir)
         self.enabled = enabled
         self._writer = None
+        self._reopened = 0
         if enabled:
-            from tensorboardX import SummaryWriter
+            self._open()
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.log_dir), flush_secs=10)
+    def _open(self) -> None:
+        from tensorboardX import SummaryWriter
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        suffix = f".{self._reopened}" if self._reopened else ""
+        self._writer = SummaryWriter(str(self.log_dir), flush_secs=10, filename_suffix=suffix)
+
+    @property
+    def events_file(self) -> Path | None:
+        """The events file being written (None when disabled)."""
+        if not self._writer:
+            return None
+        return Path(self._writer.file_writer.event_writer._ev_writer._file_name)
+
+    def _check_file(self, step: int) -> None:
+        path = self.events_file
+        if path is None or path.exists():
+            return
+        import sys
+
+        self._writer.close()
+        self._reopened += 1
+        self._open()
+        print(f"warning: the TensorBoard events file {path} was deleted during the run; what was logged there "
+              f"is gone, step {step} on goes to {self.events_file}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self._writer:
             return
+        self._check_file(step)
         for name, value in metrics.items():
             if np.isfinite(value):
                 self._writer.add_scalar(name, value, step)
@@ -148,6 +177,58 @@ def _records(path: Path):
         payload = buf.read(length)
         buf.read(4)
         yield payload
+
+
+def trim_events(log_dir: str | os.PathLike, last_step: int) -> None:
+    """Make a restarted run's TensorBoard series hold one value per step, as ``trim_records`` does
+    for the evaluation records.
+
+    ``last_step`` < 0 (a fresh start in a workdir where an earlier attempt died before its first
+    checkpoint): the old events move to ``<log_dir>.stale-<time>`` (kept, not deleted). Otherwise (a
+    resume from checkpoint ``last_step``): every events file keeps the events of steps up to it and
+    all of the warm-up's (``warmup/*``, which has its own step count and is never re-run), and drops
+    the later steps, which the resumed run logs again. Files are rewritten atomically.
+    """
+    import time
+
+    from tensorboardX.proto import event_pb2
+
+    log_dir = Path(log_dir)
+    files = sorted(log_dir.rglob("events.out.tfevents.*")) if log_dir.is_dir() else []
+    if not files:
+        return
+    if last_step < 0:
+        os.replace(log_dir, log_dir.with_name(f"{log_dir.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}"))
+        return
+    for path in files:
+        kept, dropped = [], 0
+        for payload in _records(path):
+            ev = event_pb2.Event()
+            try:
+                ev.ParseFromString(payload)
+            except Exception:  # noqa: BLE001 - a record cut by the crash
+                dropped += 1
+                continue
+            warmup = ev.HasField("summary") and all(v.tag.startswith("warmup/") for v in ev.summary.value)
+            if not ev.HasField("summary") or warmup or ev.step <= last_step:
+                kept.append(payload)
+            else:
+                dropped += 1
+        if not dropped:
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for payload in kept:
+                f.write(_frame(payload))
+        os.replace(tmp, path)
+
+
+def _frame(payload: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC-32C, the data, the data's masked CRC-32C."""
+    from tensorboardX.record_writer import masked_crc32c
+
+    header = struct.pack("<Q", len(payload))
+    return header + struct.pack("<I", masked_crc32c(header)) + payload + struct.pack("<I", masked_crc32c(payload))
 
 
 def read_events(log_dir: str | os.PathLike) -> dict[str, list]:

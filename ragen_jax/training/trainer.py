@@ -28,7 +28,7 @@ from flax import nnx
 from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.configuration import RunSpec
-from ragen_jax.training.logging import Logger, quadrant_figure, to_host_scalars
+from ragen_jax.training.logging import Logger, quadrant_figure, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
@@ -304,7 +304,6 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
     if placement.num_processes > 1 and main:
         print(f"training on {placement.describe}")
     evaluator = _make_evaluator(spec, run)
-    logger = Logger(workdir / "tensorboard", enabled=main)
     ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints)
     transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts and main else None
 
@@ -312,8 +311,11 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
         train_state, host, start_step = _resume(spec, run, ckpt)
     else:
         train_state, host, start_step = run.train_state, HostState.fresh(spec), 0
-    if transcripts is not None:  # records of steps after the checkpoint are written again, once
-        trim_records(transcripts, start_step if resume else -1)
+    if main:  # records and TensorBoard series of steps after the checkpoint are written again, once
+        if transcripts is not None:
+            trim_records(transcripts, start_step if resume else -1)
+        trim_events(workdir / "tensorboard", start_step if resume else -1)
+    logger = Logger(workdir / "tensorboard", enabled=main)
     if not resume:
         train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
         ckpt.save(0, saved_part(train_state), host.meta(0))

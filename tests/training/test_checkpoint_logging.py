@@ -108,3 +108,82 @@ def test_quadrant_lines_follow_the_configured_regime_ratios():
             mock.patch.object(matplotlib.axes.Axes, "axvline", autospec=True) as v:
         quadrant_figure([(1, 0.8, 2.0)], baseline=(0.8, 2.0), mi_ratio=0.3, entropy_ratio=0.7)
     assert h.call_args[0][1] == pytest.approx(0.24) and v.call_args[0][1] == pytest.approx(1.4)
+
+
+def test_a_deleted_events_file_is_noticed_and_a_new_one_takes_the_rest(tmp_path, capsys):
+    from ragen_jax.training.logging import read_scalars
+
+    log = Logger(tmp_path / "tb")
+    log.scalars(1, {"train/x": 1.0})
+    log.flush()
+    first = log.events_file
+    first.unlink()
+    log.scalars(2, {"train/x": 2.0})
+    log.scalars(3, {"train/x": 3.0})
+    log.close()
+    assert "was deleted during the run" in capsys.readouterr().err
+    assert read_scalars(tmp_path / "tb")["train/x"] == [(2, 2.0), (3, 3.0)]
+
+
+def _events_with_a_killed_tail(log_dir):
+    """What a run killed after logging step 3 (its last checkpoint: step 2) leaves behind: warm-up
+    series with their own step count, validation at 0, StarPO steps 1..3."""
+    log = Logger(log_dir)
+    for s in (10, 20, 30):
+        log.scalars(s, {"warmup/loss": 1.0 / s})
+    for s in range(4):
+        log.scalars(s, {"val/success": 0.1 * s})
+    log.text(3, "transcripts", "step 3")
+    log.close()
+
+
+def test_trim_events_keeps_one_value_per_step_for_a_resumed_run(tmp_path):
+    from ragen_jax.training.logging import read_events, read_scalars, trim_events
+
+    tb = tmp_path / "tb"
+    _events_with_a_killed_tail(tb)
+    trim_events(tb, 2)
+    s = read_scalars(tb)
+    assert [step for step, _ in s["warmup/loss"]] == [10, 20, 30]  # never re-run: kept
+    assert [step for step, _ in s["val/success"]] == [0, 1, 2]
+    assert "transcripts" not in read_events(tb)
+    # The resumed run logs step 3 again: one value per step.
+    log = Logger(tb)
+    log.scalars(3, {"val/success": 0.9})
+    log.close()
+    assert read_scalars(tb)["val/success"][-1] == (3, pytest.approx(0.9))
+    assert [step for step, _ in read_scalars(tb)["val/success"]] == [0, 1, 2, 3]
+
+
+def test_trim_events_moves_a_dead_first_attempts_events_aside(tmp_path):
+    from ragen_jax.training.logging import read_scalars, trim_events
+
+    tb = tmp_path / "tb"
+    _events_with_a_killed_tail(tb)
+    trim_events(tb, -1)
+    assert not tb.exists()
+    stale = list(tmp_path.glob("tb.stale-*"))
+    assert len(stale) == 1 and read_scalars(stale[0])["warmup/loss"]
+
+
+def test_a_run_killed_after_logging_a_step_resumes_with_one_value_per_step(tmp_path):
+    """The trainer trims at start-up: a run stopped at step 2 (checkpointed) whose later step 3 was
+    logged but not saved (as a kill between the two leaves it) resumes to step 3 with one value of
+    every series at every step."""
+    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.trainer import StopTraining, train
+    from tests.training.test_trainer import small_config
+
+    def stop(step, metrics):
+        if step == 2:
+            raise StopTraining()
+
+    train(small_config(tmp_path, total_steps=3), step_callback=stop)
+    stale = Logger(tmp_path / "tensorboard")
+    stale.scalars(3, {"train/success": 0.5, "actor/pg_loss": 9.0})  # what the killed step 3 logged
+    stale.close()
+    train(small_config(tmp_path, total_steps=3))
+    for tag, series in read_scalars(tmp_path / "tensorboard").items():
+        steps = [step for step, _ in series]
+        assert len(steps) == len(set(steps)), (tag, steps)
+    assert 9.0 not in [v for _, v in read_scalars(tmp_path / "tensorboard")["actor/pg_loss"]]
