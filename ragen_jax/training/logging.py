@@ -106,15 +106,23 @@ class Logger:
         self.log_dir = Path(log_dir)
         self.enabled = enabled
         self._writer = None
-        self._reopened = 0
         if enabled:
             self._open()
 
     def _open(self) -> None:
         from tensorboardX import SummaryWriter
 
+        import socket
+        import time
+
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        suffix = f".{self._reopened}" if self._reopened else ""
+        # tensorboardX names a file by the second and the host: a writer opened in the same second as
+        # an existing file (a quick restart, a reopened file) would truncate it. Pick a free name.
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        n, suffix = 0, ""
+        while (self.log_dir / (stem + suffix)).exists():
+            n += 1
+            suffix = f".{n}"
         self._writer = SummaryWriter(str(self.log_dir), flush_secs=10, filename_suffix=suffix)
 
     @property
@@ -131,7 +139,6 @@ class Logger:
         import sys
 
         self._writer.close()
-        self._reopened += 1
         self._open()
         print(f"warning: the TensorBoard events file {path} was deleted during the run; what was logged there "
               f"is gone, step {step} on goes to {self.events_file}", file=sys.stderr, flush=True)
