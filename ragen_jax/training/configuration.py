@@ -96,6 +96,22 @@ def _build(section: str, cls, values: dict):
 HOST_ENV_KEYS = ("max_obs_tokens",)
 
 
+def check_env_settings(name: str, ctor_kw: dict, param_kw: dict) -> None:
+    """Build the (on-device) environment and its params once, so an out-of-range setting
+    (``env.size=100``) is one line at start-up, before the workdir is touched. Python text
+    environments are checked when the run builds them (their constructors may read data files)."""
+    import environments
+
+    if environments.is_host(name):
+        return
+    try:
+        env = environments.make(name, **ctor_kw)
+        env.default_params(**param_kw)
+    except (ValueError, TypeError) as e:
+        settings = ", ".join(f"env.{k}={v!r}" for k, v in {**ctor_kw, **param_kw}.items()) or "defaults"
+        _fail(f"config.env ({settings}): {e}")
+
+
 def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
     """Route the flat ``config.env`` keys to the env constructor or to ``default_params``.
 
@@ -178,6 +194,7 @@ def resolve(config: ConfigDict) -> RunSpec:
     # Environment.
     env_values = {k: v for k, v in config.env.to_dict().items() if k != "name"}
     env_name, env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
+    check_env_settings(env_name, env_kwargs, env_param_kwargs)
 
     # Parts (their from_dict validates unknown keys and registry names).
     rollout, starpo, filt, collapse = (_build(name, cls[name], config[name].to_dict())

@@ -228,3 +228,17 @@ def test_every_shipped_config_resolves(path):
     module = importlib.import_module(f"configs.{path[:-3]}")
     spec = _resolve(module.get_config())
     assert spec.config.workdir.startswith("runs/"), spec.config.workdir
+
+
+@pytest.mark.parametrize("size", [1, 0, 100])
+def test_env_setting_out_of_range_is_one_line_before_the_workdir(size, tmp_path):
+    """``env.size`` out of range fails in ``resolve`` — before ``train`` creates the workdir or
+    writes its config.json — with the env's own message naming the range."""
+    from configs import frozen_lake
+
+    cfg = frozen_lake.get_config()
+    cfg.workdir = str(tmp_path / "run")
+    cfg.env.size = size
+    with pytest.raises(ConfigError, match=rf"env.size={size}.*must be an int in \[2, 30\]"):
+        _resolve(cfg)
+    assert not (tmp_path / "run").exists()
