@@ -168,7 +168,7 @@ def _run_eval(spec) -> dict[str, float]:
 def _checkpointed_policy(cfg, run, ckpt, step=None):
     """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
     named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
-    from ragen_jax.training.checkpoint import CheckpointMismatch
+    from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
     from ragen_jax.training.trainer import _policy_params, saved_part, with_base
     from ragen_jax.training.workdir import explain_mismatch
 
@@ -178,6 +178,11 @@ def _checkpointed_policy(cfg, run, ckpt, step=None):
             for bad, reason in skipped:
                 print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped: {reason}")
         else:
+            steps = ckpt.all_steps()
+            if step not in steps:
+                raise NoIntactCheckpoint(
+                    f"eval.checkpoint_step={step}: {ckpt.directory} has no checkpoint {step}; it holds steps "
+                    f"{', '.join(map(str, steps)) or 'none'} (leave eval.checkpoint_step unset for the newest)")
             state, _, step = ckpt.restore(saved_part(run.train_state), step)
     except CheckpointMismatch as e:
         raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
@@ -199,6 +204,10 @@ def run_export(spec) -> str:
         raise NoIntactCheckpoint(f"{ckpt_dir} does not exist: nothing to export (train first, or set "
                                  "config.workdir to a run's directory)")
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints)
+    if not ckpt.all_steps():
+        ckpt.close()
+        raise NoIntactCheckpoint(f"{ckpt_dir} holds no checkpoint: nothing to export (train this run first, or "
+                                 "set config.workdir to the directory of a run that has saved one)")
     params, step = _checkpointed_policy(cfg, run, ckpt)
     ckpt.close()
     model = nnx.merge(run.graphdefs.policy, jax.device_get(params))

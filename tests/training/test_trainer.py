@@ -117,6 +117,31 @@ def test_eval_mode_reproduces_final_validation(straight_run):
     assert (workdir / "eval" / "transcripts_step2.jsonl").exists()
 
 
+def test_eval_of_a_step_without_a_checkpoint_names_the_steps_that_exist(straight_run):
+    from ragen_jax.training.checkpoint import NoIntactCheckpoint
+    from ragen_jax.training.evaluate import run_eval
+
+    workdir, _ = straight_run
+    cfg = small_config(workdir, total_steps=2, **{"trainer.resume": True}).config
+    with cfg.unlocked():
+        cfg.mode = "eval"
+        cfg.eval.checkpoint_step = 99
+    with pytest.raises(NoIntactCheckpoint, match=r"checkpoint_step=99: .* has no checkpoint 99; it holds steps 0, 1, 2"):
+        run_eval(resolve(cfg))
+
+
+def test_export_of_a_workdir_without_checkpoints_says_so(tmp_path):
+    from ragen_jax.training.checkpoint import NoIntactCheckpoint
+    from ragen_jax.training.evaluate import run_export
+
+    (tmp_path / "checkpoints").mkdir()
+    cfg = small_config(tmp_path, total_steps=1).config
+    with cfg.unlocked():
+        cfg.mode = "export"
+    with pytest.raises(NoIntactCheckpoint, match="holds no checkpoint: nothing to export"):
+        run_export(resolve(cfg))
+
+
 def _resume_matches(tmp_path, total, interrupt_at):
     from ragen_jax.training.trainer import StopTraining, train
 
