@@ -33,6 +33,10 @@ def _dtype_name(value: Any, field: str) -> str:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+class ModelFileError(ValueError):
+    """A model file that cannot be read (truncated, not the format it claims); names the file."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture + compute knobs of a decoder-only transformer (Qwen2 / Llama family).
@@ -160,7 +164,7 @@ class ModelConfig:
                 with open(path, encoding="utf-8") as f:
                     config = json.load(f)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path} is not valid JSON ({e}); copy the model's config.json again") from None
+                raise ModelFileError(f"{path} is not valid JSON ({e}); copy the model's config.json again") from None
         c = dict(config)
 
         model_type = c.get("model_type")

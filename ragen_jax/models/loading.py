@@ -166,8 +166,9 @@ def from_hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, Any], *, shard_fn
     return decoder_from_tensors(cfg, get, tensors.keys(), source="hf", shard_fn=shard_fn, strict=strict)
 
 
-class ModelFileError(ValueError):
-    """A model file that cannot be read (truncated, not the format it claims); names the file."""
+# A model file that cannot be read (truncated, not the format it claims); defined beside the
+# config reader, which raises it for a broken config.json.
+from ragen_jax.models.config import ModelFileError  # noqa: E402
 
 
 def _safetensors_files(path: str) -> list[str]:

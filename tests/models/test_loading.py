@@ -256,5 +256,5 @@ def test_truncated_gguf_and_broken_config_json_name_the_file(qwen2_dir, tmp_path
     broken = tmp_path / "dir"
     broken.mkdir()
     (broken / "config.json").write_text((src / "config.json").read_text()[:40])
-    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+    with pytest.raises(ModelFileError, match=r"config\.json is not valid JSON"):  # launch's one-line model error
         load_hf(broken)

@@ -242,3 +242,13 @@ def test_env_setting_out_of_range_is_one_line_before_the_workdir(size, tmp_path)
     with pytest.raises(ConfigError, match=rf"env.size={size}.*must be an int in \[2, 30\]"):
         _resolve(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_truncated_model_config_json_is_the_one_line_model_file_error(tmp_path):
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 896, "num_hidden')
+    p = _launch("--config", "configs/frozen_lake.py", "--config.model.preset=qwen2.5-0.5b",
+                f"--config.model.path={model}", f"--config.workdir={tmp_path / 'run'}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"Model file error: {model / 'config.json'} is not valid JSON" in p.stderr
