@@ -50,6 +50,40 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (wi
 EXCLUSIVE_KEYS = (("starpo.mini_batch_size", "starpo.num_mini_batches"),)
 
 
+# ``--config.env.*`` arguments of a command line that switches ``env.name`` away from the config
+# file's env: applied in ``main`` as the whole env section (see ``_take_env_switch``).
+_ENV_SWITCH: dict[str, str] = {}
+
+
+def _take_env_switch(argv: list[str], file_env_name: str | None) -> list[str]:
+    """When ``--config.env.name=X`` names another env than the config file's, the file's env settings
+    (Sokoban's ``dim_room``, …) belong to the other env: the env section becomes exactly the command
+    line's ``--config.env.*`` keys (which may be any of X's own, e.g. ``env.factory`` for WebShop).
+    Those arguments are taken out of ``argv`` and kept for ``main``; returns the rest."""
+    env_args = {a[len("--config.env."):].split("=", 1)[0]: a.split("=", 1)[1]
+                for a in argv if a.startswith("--config.env.") and "=" in a}
+    if "name" not in env_args or env_args["name"] == file_env_name:
+        return argv
+    _ENV_SWITCH.clear()
+    _ENV_SWITCH.update(env_args)
+    return [a for a in argv if not (a.startswith("--config.env.") and "=" in a)]
+
+
+def _env_section(values: dict[str, str]):
+    """The env section from command-line strings (Python literals where they parse: numbers, tuples)."""
+    import ast
+
+    from ml_collections import ConfigDict
+
+    def value(text: str):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+
+    return ConfigDict({k: value(v) for k, v in values.items()})
+
+
 def _override_keys(argv: list[str]) -> list[str]:
     """The dotted keys set by ``--config.a.b=value`` arguments."""
     return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.") and "=" in a]
@@ -205,6 +239,9 @@ def main(argv) -> None:
     start(_CONFIG.value)
     from ragen_jax.training.configuration import resolve
 
+    if _ENV_SWITCH:  # --config.env.name switched the env: its section is the command line's env keys
+        with _CONFIG.value.unlocked():
+            _CONFIG.value.env = _env_section(_ENV_SWITCH)
     with user_errors():
         spec = resolve(_CONFIG.value)
         if spec.config.mode == "eval":
@@ -235,6 +272,7 @@ _ARGV: list[str] = []
 def run(argv: list[str] | None = None, main=main) -> None:
     """Parse ``argv`` (``--config FILE --config.a.b=v ...``, every error one clear message) and
     call ``main`` (this module's: train / eval / export; ``ragen_jax.compare`` passes its own)."""
+    from_sys = argv is None
     argv = list(sys.argv if argv is None else argv)
     _ARGV[:] = argv
     path = _config_path(argv)
@@ -244,10 +282,13 @@ def run(argv: list[str] | None = None, main=main) -> None:
         if root not in sys.path:
             sys.path.insert(0, root)
         try:  # a missing or broken file: one line naming it, not config_flags' traceback
-            _load_config(path)
+            file_config = _load_config(path)
         except ValueError as e:
             print(f"Configuration error: {e}", file=sys.stderr)
             sys.exit(2)
+        argv = _take_env_switch(argv, file_config.get("env", {}).get("name"))
+        if _ENV_SWITCH and from_sys:
+            sys.argv[:] = argv  # config_flags reads its overrides from sys.argv too
 
     def parse(args):
         try:

@@ -1,4 +1,5 @@
 """Config validation: every bad key or value fails with one message naming the key and the fix."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,28 @@ def test_cli_truncated_model_config_json_is_the_one_line_model_file_error(tmp_pa
                 f"--config.model.path={model}", f"--config.workdir={tmp_path / 'run'}")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert f"Model file error: {model / 'config.json'} is not valid JSON" in p.stderr
+
+
+def test_readme_webshop_route_runs_on_the_stand_in(tmp_path):
+    """The README's command (``--config configs/base.py --config.env.name=webshop
+    --config.env.factory=MODULE:FUNCTION``) on the WebShop stand-in of the text-env tests, shrunk to
+    one small step: switching env.name on the command line drops the file's Sokoban settings."""
+    import os
+
+    (tmp_path / "my_webshop.py").write_text("from tests.environments.test_text_envs import make_webshop\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    p = subprocess.run(
+        [sys.executable, "-m", "ragen_jax.launch", "--config", "configs/base.py", "--config.env.name=webshop",
+         "--config.env.factory=my_webshop:make_webshop", f"--config.workdir={tmp_path / 'run'}",
+         "--config.trainer.total_steps=1", "--config.rollout.num_groups=2", "--config.rollout.group_size=2",
+         "--config.rollout.max_turns=1", "--config.rollout.max_new_tokens=16", "--config.rollout.max_seq_len=1024",
+         "--config.starpo.adv_estimator=grpo", "--config.starpo.mini_batch_size=4", "--config.eval.num_episodes=2",
+         "--config.trainer.progress_bar=False", "--config.model.tiny.hidden_size=32",
+         "--config.model.tiny.intermediate_size=64", "--config.model.tiny.num_layers=1",
+         "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1", "--config.model.tiny.head_dim=16",
+         "--config.collapse.num_samples=4", "--config.collapse.micro_batch_size=8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["env"] == {"name": "webshop", "factory": "my_webshop:make_webshop"}
