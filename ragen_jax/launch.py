@@ -228,6 +228,13 @@ def user_errors():
     except ModelFileError as e:
         print(f"Model file error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception:  # noqa: BLE001 - a Python environment's failure, wrapped by XLA: say it in one line
+        from ragen_jax.rollout.host_env import FAILURES
+
+        if not FAILURES:
+            raise
+        print(f"Environment error: {FAILURES[-1]}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv) -> None:

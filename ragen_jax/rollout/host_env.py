@@ -34,7 +34,7 @@ infinite reward, named with the env, the row and the step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import chex
 import jax
@@ -43,6 +43,11 @@ import numpy as np
 from jax.experimental import io_callback
 
 from environments.core import EnvParams
+
+
+# Errors of Python environments, newest last: an error raised inside ``io_callback`` reaches the
+# caller wrapped in an XLA runtime error; the command line reports the original from here.
+FAILURES: list[Exception] = []
 
 
 @chex.dataclass(frozen=True)
@@ -73,6 +78,7 @@ class HostEnv:
         max_obs_tokens: int = 256,
         instruction: str = "",
         max_action_bytes: int | None = None,
+        step_timeout_s: float = 600.0,
     ):
         if action_names is not None and not action_names:
             raise ValueError("HostEnv: action_names is empty; pass the fixed action names, or None for free-text "
@@ -85,6 +91,9 @@ class HostEnv:
             self.parse_action = lambda part, n: ((part, n), n > 0)
             self.max_action_bytes = max_action_bytes
         self.batch_size = batch_size
+        if not (isinstance(step_timeout_s, (int, float)) and step_timeout_s > 0):
+            raise ValueError(f"HostEnv: step_timeout_s={step_timeout_s!r} must be a number of seconds > 0")
+        self.step_timeout_s = float(step_timeout_s)
         self.max_obs_tokens = max_obs_tokens
         self.instruction = instruction
         self.envs = [make_env() for _ in range(batch_size)]  # more are made for larger batches (evaluation)
@@ -135,13 +144,36 @@ class HostEnv:
         return type(self.envs[i]).__name__
 
     def _call(self, i: int, what: str, fn):
-        """Run the Python env's reset/step; its exception is re-raised naming the env, row and step
-        (raised inside ``io_callback`` it would otherwise surface as an anonymous XLA error)."""
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - re-raised with context
-            step = "reset" if what == "reset" else f"step {int(self._steps[i]) + 1}"
-            raise RuntimeError(f"HostEnv {self._name(i)} raised {type(e).__name__} at {step} of row {i}: {e}") from e
+        """Run the Python env's reset/step, at most ``step_timeout_s`` seconds; its exception (or the
+        time-out) is re-raised naming the env, row and step — raised inside ``io_callback`` it would
+        otherwise surface as an anonymous XLA error — and kept in ``host_env.FAILURES`` for the
+        command line's one-line report."""
+        import threading
+
+        step = "reset" if what == "reset" else f"step {int(self._steps[i]) + 1}"
+        box: dict = {}
+
+        def run():
+            try:
+                box["out"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = e
+
+        # A daemon thread: a call that never returns is abandoned (Python cannot stop it), not waited for.
+        worker = threading.Thread(target=run, name=f"HostEnv-{what}-{i}", daemon=True)
+        worker.start()
+        worker.join(self.step_timeout_s)
+        if worker.is_alive():
+            error = TimeoutError(f"HostEnv {self._name(i)} did not return from {what}() within {self.step_timeout_s:g} s "
+                                 f"at {step} of row {i}; fix the environment or raise env.step_timeout_s")
+            FAILURES.append(error)
+            raise error
+        if "error" in box:
+            e = box["error"]
+            error = RuntimeError(f"HostEnv {self._name(i)} raised {type(e).__name__} at {step} of row {i}: {e}")
+            FAILURES.append(error)
+            raise error from e
+        return box["out"]
 
     def _checked_text(self, text, i: int, what: str) -> str:
         if not isinstance(text, str):
@@ -185,7 +217,10 @@ class HostEnv:
                 raise ValueError(f"HostEnv {type(self.envs[i]).__name__} returned a non-finite reward {r!r} at "
                                  f"step {int(self._steps[i])} of row {i} (action {action!r}); its step() must "
                                  "return a finite float")
-            info = info or {}
+            info = {} if info is None else info
+            if not isinstance(info, Mapping):
+                raise TypeError(f"HostEnv {self._name(i)}.step() at step {int(self._steps[i])} of row {i} returned info "
+                                f"of type {type(info).__name__}; it must be a dict (or None)")
             toks[i], n[i] = self._encode(text)
             reward[i] = r
             flags[:, i] = (

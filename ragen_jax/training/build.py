@@ -106,7 +106,8 @@ def build_env(spec: RunSpec, tokenizer=None):
         cls(**kwargs)  # fail now, naming the missing file or setting, rather than inside the first rollout
         env = HostEnv(lambda: cls(**kwargs), tokenizer, action_names=cls.action_names,
                       batch_size=spec.rollout.batch_size, instruction=cls.instruction,
-                      max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)))
+                      max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)),
+                      step_timeout_s=float(spec.env_param_kwargs.get("step_timeout_s", 600.0)))
         env.name = spec.env_name
         return env, env.default_params()
     env = environments.make(spec.env_name, **spec.env_kwargs)

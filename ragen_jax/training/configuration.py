@@ -93,7 +93,7 @@ def _build(section: str, cls, values: dict):
 
 
 # Settings of the ``HostEnv`` wrapper a Python text environment runs in (not of the env itself).
-HOST_ENV_KEYS = ("max_obs_tokens",)
+HOST_ENV_KEYS = ("max_obs_tokens", "step_timeout_s")
 
 
 def check_env_settings(name: str, ctor_kw: dict, param_kw: dict) -> None:

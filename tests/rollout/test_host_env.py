@@ -187,3 +187,48 @@ def test_host_env_exceptions_and_non_text_name_the_env_row_and_step():
         tok, cfg, env, ro, weights = _text_rollout(cls)
         with pytest.raises(Exception, match=pattern):
             jax.block_until_ready(ro(weights, jax.random.key(0), _forced(tok, cfg, "x</think><answer>hi</answer>")))
+
+
+class Hangs(Echo):
+    """A step that does not come back (bounded here: 60 s), as a stuck web page or simulator would."""
+
+    def step(self, action):
+        import time
+
+        time.sleep(60)
+        return super().step(action)
+
+
+class BadInfo(Echo):
+    def step(self, action):
+        return "ok", 0.0, False, ["not", "a", "dict"]
+
+
+def test_a_host_step_that_never_returns_fails_within_its_timeout():
+    import time
+
+    import pytest
+
+    from ragen_jax.rollout import host_env
+
+    tok = make_tokenizer("qwen")
+    env = HostEnv(Hangs, tok, action_names=("a", "b"), batch_size=2, max_obs_tokens=64, step_timeout_s=1.0)
+    env._host_reset(np.arange(2))
+    start = time.time()
+    with pytest.raises(TimeoutError, match=r"HostEnv Hangs did not return from step\(\) within 1 s at step 1 of "
+                                           r"row 0; .*env.step_timeout_s"):
+        env._host_step(np.zeros(2, np.int32), np.ones(2, bool))
+    assert time.time() - start < 10
+    assert isinstance(host_env.FAILURES[-1], TimeoutError)
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        HostEnv(Hangs, tok, action_names=("a",), batch_size=1, step_timeout_s=0)
+
+
+def test_a_non_dict_info_names_the_env_row_and_step():
+    import pytest
+
+    tok = make_tokenizer("qwen")
+    env = HostEnv(BadInfo, tok, action_names=("a",), batch_size=1, max_obs_tokens=64)
+    env._host_reset(np.arange(1))
+    with pytest.raises(TypeError, match=r"HostEnv BadInfo.step\(\) at step 1 of row 0 returned info of type list"):
+        env._host_step(np.zeros(1, np.int32), np.ones(1, bool))
