@@ -190,12 +190,28 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
                                process_id=process_id)
 
 
+def _quiet_host_env_callback_log() -> None:
+    """JAX logs a failed ``io_callback`` with the whole traceback before re-raising it; a Python
+    environment's failure is reported in one line by ``user_errors``, so that log record is dropped
+    (any other callback's stays)."""
+    import logging
+
+    from ragen_jax.rollout.host_env import FAILURES
+
+    def keep(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not any(error is f or (error is not None and error.__cause__ is f) for f in FAILURES)
+
+    logging.getLogger("jax._src.callback").addFilter(keep)
+
+
 def start(config) -> None:
     """What every command does before building anything: quiet logs, the persistent compilation
     cache, the notes on replaced keys, joining a multi-process run."""
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax reports every save at INFO
+    _quiet_host_env_callback_log()
     cache = config.get("compilation_cache_dir")
     if cache:
         # Compiled XLA programs persist across runs: a second run (or a resume) skips compilation.

@@ -255,25 +255,46 @@ def test_cli_truncated_model_config_json_is_the_one_line_model_file_error(tmp_pa
     assert f"Model file error: {model / 'config.json'} is not valid JSON" in p.stderr
 
 
+WEBSHOP_SMALL = ["--config.trainer.total_steps=1", "--config.rollout.num_groups=2", "--config.rollout.group_size=2",
+                 "--config.rollout.max_turns=1", "--config.rollout.max_new_tokens=16", "--config.rollout.max_seq_len=1024",
+                 "--config.starpo.adv_estimator=grpo", "--config.starpo.mini_batch_size=4",
+                 "--config.eval.num_episodes=2", "--config.trainer.progress_bar=False",
+                 "--config.model.tiny.hidden_size=32", "--config.model.tiny.intermediate_size=64",
+                 "--config.model.tiny.num_layers=1", "--config.model.tiny.num_heads=2",
+                 "--config.model.tiny.num_kv_heads=1", "--config.model.tiny.head_dim=16",
+                 "--config.collapse.num_samples=4", "--config.collapse.micro_batch_size=8"]
+
+
+def _webshop_launch(tmp_path, factory_source):
+    import os
+
+    (tmp_path / "my_webshop.py").write_text(factory_source)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    return subprocess.run(
+        [sys.executable, "-m", "ragen_jax.launch", "--config", "configs/base.py", "--config.env.name=webshop",
+         "--config.env.factory=my_webshop:make_webshop", f"--config.workdir={tmp_path / 'run'}", *WEBSHOP_SMALL],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_a_python_environments_error_is_one_line_through_launch(tmp_path):
+    p = _webshop_launch(tmp_path, (
+        "from tests.environments.test_text_envs import FakeWebAgentTextEnv\n"
+        "class Broken(FakeWebAgentTextEnv):\n"
+        "    def reset(self, session=None):\n"
+        "        raise RuntimeError('the store is closed')\n"
+        "def make_webshop():\n"
+        "    return Broken()\n"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
+    assert lines[-1].startswith("Environment error: HostEnv WebShop raised RuntimeError at reset of row 0"), p.stderr
+    assert "the store is closed" in lines[-1] and "Traceback" not in p.stderr
+
+
 def test_readme_webshop_route_runs_on_the_stand_in(tmp_path):
     """The README's command (``--config configs/base.py --config.env.name=webshop
     --config.env.factory=MODULE:FUNCTION``) on the WebShop stand-in of the text-env tests, shrunk to
     one small step: switching env.name on the command line drops the file's Sokoban settings."""
-    import os
-
-    (tmp_path / "my_webshop.py").write_text("from tests.environments.test_text_envs import make_webshop\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    p = subprocess.run(
-        [sys.executable, "-m", "ragen_jax.launch", "--config", "configs/base.py", "--config.env.name=webshop",
-         "--config.env.factory=my_webshop:make_webshop", f"--config.workdir={tmp_path / 'run'}",
-         "--config.trainer.total_steps=1", "--config.rollout.num_groups=2", "--config.rollout.group_size=2",
-         "--config.rollout.max_turns=1", "--config.rollout.max_new_tokens=16", "--config.rollout.max_seq_len=1024",
-         "--config.starpo.adv_estimator=grpo", "--config.starpo.mini_batch_size=4", "--config.eval.num_episodes=2",
-         "--config.trainer.progress_bar=False", "--config.model.tiny.hidden_size=32",
-         "--config.model.tiny.intermediate_size=64", "--config.model.tiny.num_layers=1",
-         "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1", "--config.model.tiny.head_dim=16",
-         "--config.collapse.num_samples=4", "--config.collapse.micro_batch_size=8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    p = _webshop_launch(tmp_path, "from tests.environments.test_text_envs import make_webshop\n")
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
