@@ -193,7 +193,7 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
 def _quiet_host_env_callback_log() -> None:
     """JAX logs a failed ``io_callback`` with the whole traceback before re-raising it; a Python
     environment's failure is reported in one line by ``user_errors``, so that log record is dropped
-    (any other callback's stays)."""
+    (any other callback's stays). The same for a full disk's errors in orbax's writer threads."""
     import logging
 
     from ragen_jax.rollout.host_env import FAILURES
@@ -203,6 +203,14 @@ def _quiet_host_env_callback_log() -> None:
         return not any(error is f or (error is not None and error.__cause__ is f) for f in FAILURES)
 
     logging.getLogger("jax._src.callback").addFilter(keep)
+    # A full disk is reported once, in one line (user_errors); orbax's writer threads log it with
+    # their tracebacks first.
+    logging.getLogger("absl").addFilter(lambda r: not (r.exc_info and _is_disk_full(r.exc_info[1])))
+    # ... and so does the TensorBoard writer's thread when it dies of it (the Logger then raises).
+    import threading
+
+    default_hook = threading.excepthook
+    threading.excepthook = lambda args: None if _is_disk_full(args.exc_value) else default_hook(args)
 
 
 def start(config) -> None:
@@ -244,13 +252,31 @@ def user_errors():
     except ModelFileError as e:
         print(f"Model file error: {e}", file=sys.stderr)
         sys.exit(2)
-    except Exception:  # noqa: BLE001 - a Python environment's failure, wrapped by XLA: say it in one line
+    except Exception as e:  # noqa: BLE001 - a full disk, or a Python environment's failure wrapped by XLA
         from ragen_jax.rollout.host_env import FAILURES
 
+        if _is_disk_full(e):
+            workdir = (_CONFIG.value or {}).get("workdir", "the workdir")
+            print(f"Disk full: {e}. Free space under {workdir} and run the same command again: it resumes from "
+                  "the last intact checkpoint", file=sys.stderr)
+            sys.exit(2)
         if not FAILURES:
             raise
         print(f"Environment error: {FAILURES[-1]}", file=sys.stderr)
         sys.exit(2)
+
+
+def _is_disk_full(e: BaseException | None) -> bool:
+    """``e`` (or what caused it) is an ``OSError`` of a full device."""
+    import errno
+
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):  # tensorstore's RESOURCE_EXHAUSTED, raised as ValueError
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def main(argv) -> None:

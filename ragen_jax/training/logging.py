@@ -95,6 +95,10 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
     return img
 
 
+class LoggingError(OSError):
+    """The TensorBoard writer stopped (its file could not be written: a full disk, a lost mount)."""
+
+
 class Logger:
     """TensorBoard writer (tensorboardX).
 
@@ -123,7 +127,9 @@ class Logger:
         while (self.log_dir / (stem + suffix)).exists():
             n += 1
             suffix = f".{n}"
-        self._writer = SummaryWriter(str(self.log_dir), flush_secs=10, filename_suffix=suffix)
+        # A queue that never fills: tensorboardX's writer thread dies on a write error (a full disk),
+        # and a put() into its bounded queue would then block for ever. Each add checks the thread.
+        self._writer = SummaryWriter(str(self.log_dir), flush_secs=10, filename_suffix=suffix, max_queue=1 << 16)
 
     @property
     def events_file(self) -> Path | None:
@@ -132,7 +138,36 @@ class Logger:
             return None
         return Path(self._writer.file_writer.event_writer._ev_writer._file_name)
 
+    def _writer_alive(self) -> bool:
+        """tensorboardX writes from a thread; an exception (ENOSPC) kills it, and every later write
+        would then wait forever on its full queue."""
+        worker = getattr(self._writer.file_writer.event_writer, "_worker", None)
+        return worker is None or worker.is_alive()
+
+    def _abandon_writer(self) -> None:
+        """Drop a writer whose thread died: nothing will drain its queue again, so neither this
+        process's exit (multiprocessing's queue feeder thread) nor a close may wait for it."""
+        queue = getattr(self._writer.file_writer.event_writer, "_event_queue", None)
+        if queue is not None:
+            queue.cancel_join_thread()
+        self._writer = None
+
+    def _check_writer(self) -> None:
+        if self._writer is None or self._writer_alive():
+            return
+        import errno
+        import shutil
+
+        path = self.events_file
+        free = shutil.disk_usage(self.log_dir).free
+        self._abandon_writer()
+        if free < (1 << 20):
+            raise LoggingError(errno.ENOSPC, f"no space left on the device of {self.log_dir} ({free} bytes free): "
+                                             f"the TensorBoard writer of {path} stopped")
+        raise LoggingError(errno.EIO, f"the TensorBoard writer of {path} stopped (its file could not be written)")
+
     def _check_file(self, step: int) -> None:
+        self._check_writer()
         path = self.events_file
         if path is None or path.exists():
             return
@@ -148,26 +183,42 @@ class Logger:
             return
         self._check_file(step)
         for name, value in metrics.items():
+            self._check_writer()
             if np.isfinite(value):
                 self._writer.add_scalar(name, value, step)
 
     def text(self, step: int, tag: str, text: str) -> None:
+        self._check_writer()
         if self._writer:
             # Markdown code block: keeps the board's line breaks in TensorBoard's text view.
             self._writer.add_text(tag, "```\n" + text + "\n```", step)
 
     def image(self, step: int, tag: str, rgb: np.ndarray) -> None:
+        self._check_writer()
         if self._writer:
             self._writer.add_image(tag, rgb, step, dataformats="HWC")
 
     def flush(self) -> None:
+        self._check_writer()
         if self._writer:
-            self._writer.flush()
+            try:
+                self._writer.flush()
+            except OSError as e:
+                self._abandon_writer()
+                raise LoggingError(e.errno, f"{e.strerror or e}: the TensorBoard events file {self.log_dir} could "
+                                            "not be written") from None
 
     def close(self) -> None:
+        if self._writer and not self._writer_alive():
+            self._abandon_writer()  # a dead writer's queue is never drained: closing it would hang
         if self._writer:
-            self._writer.close()
-            self._writer = None
+            try:
+                self._writer.close()
+                self._writer = None
+            except OSError as e:
+                self._abandon_writer()
+                raise LoggingError(e.errno, f"{e.strerror or e}: the TensorBoard events file {self.log_dir} could "
+                                            "not be written") from None
 
 
 def _records(path: Path):

@@ -84,7 +84,10 @@ def _check(texts):
         if not ok:
             continue
         assert int(action["n_literals"][i]) == len(lits), text
-        assert list(np.asarray(action["literals"][i])[: len(lits)]) == lits, text
+        # The device keeps the smallest max_numbers + 1 literals: enough to tell an answer that uses
+        # more numbers than the puzzle has (it is wrong whatever they are).
+        kept = np.asarray(action["literals"][i])
+        assert list(kept[: min(len(lits), len(kept))]) == lits[: len(kept)], text
         den = int(action["den"][i])
         if value == "overflow":
             continue
@@ -103,7 +106,7 @@ def test_parser_on_hand_picked_expressions():
 TOKENS = st.sampled_from(["1", "2", "7", "12", "99", "+", "-", "*", "/", "(", ")", " ", "0"])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(st.lists(st.lists(TOKENS, min_size=1, max_size=16).map("".join), min_size=16, max_size=16))
 def test_parser_matches_the_reference_on_random_token_strings(texts):
     _check(texts)
