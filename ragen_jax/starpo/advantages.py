@@ -565,8 +565,7 @@ def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_reward
     f32 = jnp.float32
     scores = episode_scores(token_rewards).astype(f32)
     tm = turn_mask.astype(f32)
-    num_turns = T = turn_mask.shape[1]
-    del num_turns
+    T = turn_mask.shape[1]
 
     # Episode term: each episode's score counted once per turn it took.
     s, c = group_view(scores, group_size), group_view(jnp.sum(tm, axis=1), group_size)
