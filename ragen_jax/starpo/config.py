@@ -230,28 +230,7 @@ class StarPOConfig:
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
         _check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
-        from ragen_jax.starpo.advantages import GIGPO_NORMS
-        from ragen_jax.starpo.losses import ROLLOUT_IS_LEVELS
-
-        _check(self.gigpo_norm in GIGPO_NORMS, f"{s}.gigpo_norm={self.gigpo_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")
-        _check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
-        _check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
-               f"{s}.gigpo_gamma must be in [0, 1], got {self.gigpo_gamma!r}.")
-        for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
-            _check_number(s, name, getattr(self, name), 0.0, strict=True)
-        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
-                     "overlong_penalty_factor"):
-            _check_number(s, name, getattr(self, name))
-        for name in ("rollout_is", "rollout_rs"):
-            _check(getattr(self, name) in ROLLOUT_IS_LEVELS,
-                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
-        _check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
-        if self.overlong_max_len is not None:
-            _check_int(s, "overlong_max_len", self.overlong_max_len, 1)
-            _check(self.overlong_buffer_len <= self.overlong_max_len,
-                   f"{s}.overlong_buffer_len={self.overlong_buffer_len} exceeds {s}.overlong_max_len="
-                   f"{self.overlong_max_len}; the buffer is the last part of the allowed length.")
-        _check(isinstance(self.overlong_filter, bool), f"{s}.overlong_filter must be True or False.")
+        self._check_credit_assignment(s)
         _check(
             not (self.seq_len_multiple and self.loss_agg_mode.endswith("-token-sum-norm")),
             f"{s}.seq_len_multiple={self.seq_len_multiple} would change the row width that "
@@ -286,6 +265,32 @@ class StarPOConfig:
             f"{s}.use_turn_scores=True keeps per-turn rewards, which episode-score normalisation "
             f"cannot rescale; set {s}.reward_norm='identity' or use_turn_scores=False.",
         )
+
+
+    def _check_credit_assignment(self, s: str) -> None:
+        """The settings of GiGPO, the verl policy losses and DAPO's overlong handling."""
+        from ragen_jax.starpo.advantages import GIGPO_NORMS
+        from ragen_jax.starpo.losses import ROLLOUT_IS_LEVELS
+
+        _check(self.gigpo_norm in GIGPO_NORMS, f"{s}.gigpo_norm={self.gigpo_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")
+        _check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
+        _check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
+               f"{s}.gigpo_gamma must be in [0, 1], got {self.gigpo_gamma!r}.")
+        for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
+            _check_number(s, name, getattr(self, name), 0.0, strict=True)
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
+                     "overlong_penalty_factor"):
+            _check_number(s, name, getattr(self, name))
+        for name in ("rollout_is", "rollout_rs"):
+            _check(getattr(self, name) in ROLLOUT_IS_LEVELS,
+                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
+        _check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
+        if self.overlong_max_len is not None:
+            _check_int(s, "overlong_max_len", self.overlong_max_len, 1)
+            _check(self.overlong_buffer_len <= self.overlong_max_len,
+                   f"{s}.overlong_buffer_len={self.overlong_buffer_len} exceeds {s}.overlong_max_len="
+                   f"{self.overlong_max_len}; the buffer is the last part of the allowed length.")
+        _check(isinstance(self.overlong_filter, bool), f"{s}.overlong_filter must be True or False.")
 
     @property
     def estimator(self) -> str:

@@ -139,7 +139,7 @@ def make_gradient_analysis(graphdefs, cfg: StarPOConfig, filter_cfg: FilterConfi
 
     def analyse(state, traj: Trajectory):
         batch = traj.batch_size
-        num_mini, mini_size = cfg.mini_batch_layout(batch)
+        _, mini_size = cfg.mini_batch_layout(batch)
         _, micro_size = cfg.micro_batch_layout(mini_size)
         traj, _ = upd.shape_rewards(cfg, traj)
         loss_mask = traj.loss_mask.astype(bool)
