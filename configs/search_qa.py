@@ -1,7 +1,7 @@
 """Search QA (RAGEN's ``SearchQA`` tag): search[...] a local corpus with BM25, then finish[...].
 
     python -m ragen_jax.launch --config configs/search_qa.py
-    python -m environments.text.retrieval --port 8000 &   # optional: retrieval over HTTP, like the original
+    python -m environments.text.retrieval_server --port 8000 &   # optional: retrieval over HTTP, like the original
     python -m ragen_jax.launch --config configs/search_qa.py --config.env.retrieval_url=http://127.0.0.1:8000
     python -m ragen_jax.launch --config configs/search_qa.py --config.env.name=SearchQAMock
 

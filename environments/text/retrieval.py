@@ -6,19 +6,17 @@ formatted as the original's client does: ``[Document i] (ID: id, Score: s)`` the
 document cut at 800 characters and the whole at ``max_total_chars``.
 
 HTTP (the original's protocol: ``GET /health``, ``POST /retrieve {"query", "top_k"}`` ->
-``{"results": [{"id", "content", "score"}]}``)::
+``{"results": [{"id", "content", "score"}]}``), served by ``retrieval_server``::
 
-    python -m environments.text.retrieval --corpus environments/data/search_corpus.jsonl --port 8000
+    python -m environments.text.retrieval_server --corpus environments/data/search_corpus.jsonl --port 8000
 
 then ``--config.env.retrieval_url=http://127.0.0.1:8000``.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import threading
+import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from environments.text import data_file
@@ -32,13 +30,21 @@ def read_corpus(path: Path) -> list[dict]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not a JSON object ({e.msg} at column {e.colno}); each line of "
+                                 "a corpus is one {\"id\": ..., \"contents\": ...} object") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: a corpus row must be a JSON object with 'contents', got "
+                                 f"{type(row).__name__}")
             text = row.get("contents", row.get("text", row.get("content")))
             if text is None:
                 raise ValueError(f"{path}:{line_no}: a corpus row needs 'contents' (or 'text'), got keys {sorted(row)}")
             docs.append({"id": str(row.get("id", line_no - 1)), "content": str(text)})
     if not docs:
-        raise ValueError(f"{path}: the corpus is empty")
+        raise ValueError(f"{path}: the corpus is empty (no rows); give a JSONL file with one "
+                         "{\"id\": ..., \"contents\": ...} object per line")
     return docs
 
 
@@ -76,9 +82,15 @@ class HTTPRetriever:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 return json.loads(r.read())["results"]
+        except urllib.error.HTTPError as e:  # the server answered: it refused this request
+            try:
+                reason = json.loads(e.read()).get("error", e.reason)
+            except (ValueError, AttributeError):
+                reason = e.reason
+            raise ValueError(f"retrieval server {self.url} refused the query (HTTP {e.code}): {reason}") from None
         except OSError as e:
             raise ConnectionError(f"retrieval server {self.url} did not answer ({e}); start it with "
-                                  "`python -m environments.text.retrieval --corpus FILE --port PORT` or unset "
+                                  "`python -m environments.text.retrieval_server --corpus FILE --port PORT` or unset "
                                   "config.env.retrieval_url to search in process") from e
 
 
@@ -103,53 +115,11 @@ def format_results(results: list[dict], max_results: int = 5, max_total_chars: i
     return out[:max_total_chars] + "..." if len(out) > max_total_chars else out
 
 
-def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """Start the retrieval server in a background thread; returns it (``.shutdown()`` to stop)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code, payload):
-            body = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            self._send(200, {"status": "ok", "documents": len(retriever.docs)}) if self.path == "/health" \
-                else self._send(404, {"error": f"no route {self.path}"})
-
-        def do_POST(self):  # noqa: N802
-            if self.path != "/retrieve":
-                return self._send(404, {"error": f"no route {self.path}"})
-            try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                results = retriever.search(str(req["query"]), int(req.get("top_k", 5)))
-            except (KeyError, ValueError, TypeError) as e:
-                return self._send(400, {"error": f"bad request: {e}"})
-            self._send(200, {"results": results})
-
-        def log_message(self, *args):  # quiet
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="BM25 retrieval server for Search QA")
-    ap.add_argument("--corpus", default=None, help="JSONL corpus (default: the shipped one)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    args = ap.parse_args(argv)
-    server = serve(BM25Retriever(args.corpus), args.host, args.port)
-    print(f"retrieval server on http://{args.host}:{server.server_address[1]} ({args.corpus or DEFAULT_CORPUS})",
-          flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        server.shutdown()
+    """``python -m environments.text.retrieval`` still starts the server (``retrieval_server``)."""
+    from environments.text import retrieval_server
+
+    retrieval_server.main(argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from environments.text import DATA_DIR
-from environments.text import retrieval
+from environments.text import retrieval, retrieval_server
 from environments.text.adapters import ALFWorld, WebShop
 from environments.text.math_qa import MathQA, extract_answer, generate_problems
 from environments.text.search_qa import SearchQA, extract_answer as search_extract, generate_corpus, score_answer
@@ -74,7 +74,7 @@ def test_bm25_finds_the_document_of_single_hop_questions():
 
 
 def test_search_protocol_in_process_over_http_and_mock():
-    server = retrieval.serve(retrieval.BM25Retriever(), port=0)
+    server = retrieval_server.serve(retrieval.BM25Retriever(), port=0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         local, remote = SearchQA(), SearchQA(retrieval_url=url)
