@@ -148,7 +148,33 @@ def plan(spec, placement=None) -> dict[str, float]:
     out["devices"] = placement.mesh.size
     out["mesh"] = dict(placement.mesh.shape)
     out["num_parameters"] = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    out["warnings"] = mesh_warnings(cfg, shapes.params, placement.mesh)
     return out
+
+
+def mesh_warnings(cfg, params, mesh) -> list[str]:
+    """What the mesh asks for that the model cannot use: an axis that divides none (or only some) of
+    the dimensions the partition rules shard along it replicates those weights instead, so the plan's
+    per-device figures hold copies the user may have meant to split."""
+    import jax
+
+    from ragen_jax.models.sharding import replicated_axes
+
+    warnings = []
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # the weights share one dtype
+    for axis, arrays in replicated_axes(params, mesh).items():
+        size = mesh.shape[axis]
+        nbytes = sum(math.prod(shape) for _, shape in arrays)
+        example = ", ".join(f"{name} {list(shape)}" for name, shape in arrays[:2])
+        warnings.append(f"mesh.{axis}={size} does not divide the dimension it would split in {len(arrays)} parameter "
+                        f"arrays ({nbytes / max(total, 1):.0%} of the weights, e.g. {example}): they are replicated "
+                        f"over '{axis}' instead, on every one of its {size} devices. Use a size that divides them")
+    tensor = mesh.shape.get("tensor", 1)
+    if tensor > 1 and (cfg.num_heads % tensor or cfg.num_kv_heads % tensor):
+        warnings.append(f"mesh.tensor={tensor} does not divide the {cfg.num_heads} attention heads "
+                        f"({cfg.num_kv_heads} key/value heads): a head's projections straddle devices or stay "
+                        f"replicated; use a mesh.tensor that divides {math.gcd(cfg.num_heads, cfg.num_kv_heads)}")
+    return warnings
 
 
 def report(spec, figures: dict) -> str:
@@ -174,6 +200,7 @@ def report(spec, figures: dict) -> str:
     for name, capacity in ACCELERATORS:
         verdict = "fits" if figures["peak"] <= USABLE * capacity else "does not fit"
         lines.append(f"  {name:<36}{verdict} ({figures['peak'] / capacity:.0%} of {capacity / 1e9:.0f} GB)")
+    lines += [f"Warning: {w}." for w in figures.get("warnings", ())]
     return "\n".join(lines)
 
 

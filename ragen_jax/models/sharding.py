@@ -142,6 +142,29 @@ def partition_spec(path, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAUL
     return P(*([None] * len(shape)))
 
 
+def replicated_axes(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Where a rule shards along a mesh axis of size > 1 but the axis does not divide the dimension
+    (so ``_fit`` replicated the array along it): ``{axis: [(parameter name, shape), ...]}``. Empty
+    when every axis the rules name is used everywhere they name it."""
+    found: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+
+    def one(path, x):
+        shape = tuple(np.shape(x))
+        name = path_to_name(path)
+        for pattern, spec in rules:
+            if re.search(pattern, name):
+                wanted = {a for axes in tuple(spec) if axes is not None
+                          for a in (axes if isinstance(axes, tuple) else (axes,)) if mesh.shape.get(a, 1) > 1}
+                got = {a for axes in tuple(_fit(spec, shape, mesh)) if axes is not None
+                       for a in (axes if isinstance(axes, tuple) else (axes,))}
+                for axis in sorted(wanted - got):
+                    found.setdefault(axis, []).append((name, shape))
+                return
+
+    jax.tree_util.tree_map_with_path(one, tree)
+    return found
+
+
 def sharding_fn(mesh: Mesh, rules: Rules = DEFAULT_RULES, *, strict: bool = True) -> Callable[[Any, Sequence[int]], NamedSharding]:
     """``(path, shape) -> NamedSharding``, for loaders that place each tensor as they read it."""
 

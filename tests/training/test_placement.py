@@ -150,3 +150,52 @@ def test_planner_fsdp_divides_parameters_and_optimizer_state():
     assert 0 <= one["optimizer_states"] - 2 * (one["policy_params"] + one["critic_params"]) <= 64
     assert eight["peak"] < one["peak"]
     assert "A100/H100 80GB" in proc.stdout and "fits" in proc.stdout
+
+
+MESH_WARNING_SCRIPT = r"""
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+from flax import nnx
+from configs import frozen_lake
+from ragen_jax import plan
+from ragen_jax.models import Decoder
+from ragen_jax.models.sharding import make_mesh
+from ragen_jax.training.configuration import resolve
+
+spec = resolve(frozen_lake.get_config())
+cfg = plan.model_config(spec)
+params = nnx.state(jax.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+out = {"arch": [cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size]}
+for shape in [(1, 1, 3), (1, 1, 2), (1, 8, 1), (2, 2, 2)]:
+    out[str(shape)] = plan.mesh_warnings(cfg, params, make_mesh(*shape, devices=jax.devices()[:shape[0] * shape[1] * shape[2]]))
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_planner_warns_when_the_mesh_asks_for_splits_the_model_cannot_take():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", MESH_WARNING_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("JSON", 1)[1])
+    # The main job's model, worked by hand: 8 heads, 4 kv heads of width 8, D = 64, F = 192, V = 1028.
+    assert out["arch"] == [8, 4, 64, 192, 1028]
+    # tensor = 3 divides neither 64 (q/k/v columns, o rows), nor 8 heads: both said.
+    three = out["(1, 1, 3)"]
+    assert len(three) == 2 and three[0].startswith("mesh.tensor=3 does not divide") and "replicated" in three[0]
+    assert "8 attention heads" in three[1] and "divides 4" in three[1]
+    # Sizes that divide every split dimension and the heads: no warning.
+    assert out["(1, 1, 2)"] == [] and out["(1, 8, 1)"] == [] and out["(2, 2, 2)"] == []
+    # The report ends with them.
+    figures = dict.fromkeys(["policy_params", "critic_params", "reference_params", "optimizer_states", "kv_cache",
+                             "trajectory", "rollout_temporaries", "update_temporaries", "rollout_peak",
+                             "update_peak", "peak", "num_parameters"], 1)
+    figures.update(devices=3, mesh=dict(data=1, fsdp=1, tensor=3), warnings=three)
+    from configs import frozen_lake
+    from ragen_jax import plan
+    from ragen_jax.training.configuration import resolve
+
+    text = plan.report(resolve(frozen_lake.get_config()), figures)
+    assert text.splitlines()[-2:] == [f"Warning: {w}." for w in three]
