@@ -113,9 +113,20 @@ def _quiet_stderr(log: list[str]):
             log.append(buf.read().decode("utf-8", "replace"))
 
 
-def _short_reason(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".split(" [tensorstore_spec")[0].splitlines()[0]
-    return text if len(text) <= 300 else text[:297] + "..."
+def _short_reason(e: BaseException, limit: int = 400) -> str:
+    """One line for a damaged checkpoint: the first line of each exception down the chain (orbax wraps
+    tensorstore's error, which names the file and byte range), without tensorstore's spec dumps."""
+    lines: list[str] = []
+    while e is not None and len(lines) < 4:
+        text = f"{type(e).__name__}: {e}"
+        for noise in (" See full TensorStore details", " [tensorstore_spec"):
+            text = text.split(noise)[0]
+        text = text.splitlines()[0].rstrip(". ") if text.strip() else type(e).__name__
+        if text not in lines:
+            lines.append(text)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    text = " <- ".join(lines)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Checkpointer:
@@ -158,7 +169,11 @@ class Checkpointer:
     def saved_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
         """``{array path: shape}`` of checkpoint ``step``, from its metadata (no array is read)."""
         self.wait()
-        return _shapes(self._manager.item_metadata(step)["state"])
+        shapes = _shapes(self._manager.item_metadata(step)["state"])
+        if not shapes:  # a save always writes at least the step counter: no entries is damage, not a new layout
+            raise FileNotFoundError(f"checkpoint {self.directory}/{step} lists no arrays (its state/_METADATA is "
+                                    "missing or empty)")
+        return shapes
 
     def check_fits(self, like: Any, step: int, saved: dict | None = None) -> None:
         """Raise ``CheckpointMismatch`` when checkpoint ``step``'s arrays (``saved``: its
