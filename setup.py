@@ -12,9 +12,10 @@ setup(
     package_data={"ragen_jax": ["assets/**/*"], "environments": ["data/*.jsonl"]},
     include_package_data=True,
     install_requires=[
-        # jax 0.10.x is the newest line that installs on Python 3.11.
-        "jax>=0.10.2,<0.11",
-        "jaxlib>=0.10.2,<0.11",
+        # Two JAX lines: 0.10.x (the newest that installs on Python 3.11) and 0.11.x (Python 3.12,
+        # what accelerator images ship); pip picks the one the interpreter allows.
+        "jax>=0.10.2,<0.12",
+        "jaxlib>=0.10.2,<0.12",
         "flax>=0.12.8,<0.13",
         "optax>=0.2.8,<0.3",
         "chex>=0.1.90",
