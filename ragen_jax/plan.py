@@ -82,51 +82,66 @@ def _shard_bytes(abstract) -> int:
     return total
 
 
-def plan(spec, placement=None) -> dict[str, float]:
-    """Per-device bytes of ``spec``'s run on ``placement`` (default: its ``config.mesh``; the
-    devices must already exist)."""
-    import jax
-    from flax import nnx
+class _Programs:
+    """The run's two programs and the abstract state they take, laid out on ``placement``."""
 
-    from ragen_jax.models import Critic, Decoder, ValueHead
+    def __init__(self, spec, placement):
+        import jax
+        from flax import nnx
+
+        from ragen_jax.models import Critic, Decoder, ValueHead
+        from ragen_jax.rollout.agent import Rollout
+        from ragen_jax.starpo.update import init_train_state, make_update_step
+        from ragen_jax.training.build import build_env, load_tiny_tokenizer
+
+        self.cfg = cfg = model_config(spec)
+        mode = spec.starpo.critic_mode
+        graphdefs = {}
+
+        def build():
+            policy = Decoder(cfg, rngs=nnx.Rngs(0))
+            critic = {"shared": lambda: ValueHead(cfg, rngs=nnx.Rngs(1)),
+                      "separate": lambda: Critic(cfg, rngs=nnx.Rngs(1))}.get(mode, lambda: None)()
+            graphdefs["g"], state = init_train_state(policy, spec.starpo, key=jax.random.key(0), critic=critic)
+            return state
+
+        self.build = build
+        self.shapes = jax.eval_shape(build)
+        self.shardings = placement.state_shardings(self.shapes)
+        self.state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.shapes,
+                                  self.shardings)
+        gd = graphdefs["g"]
+        tokenizer = load_tiny_tokenizer()
+        env, env_params = build_env(spec, tokenizer)
+        self.rollout = Rollout(gd.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
+        self.key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                                        sharding=placement.replicated)
+        traj = jax.eval_shape(self.rollout._rollout_from_key, self.state.params, self.key, None)
+        self.traj = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), traj,
+                                 placement.batch_shardings(traj))
+        self.update = make_update_step(gd, spec.starpo, spec.filter, spec.collapse, group_size=spec.rollout.group_size,
+                                       shared_prefix_len=len(self.rollout.codec.preamble_ids),
+                                       per_turn_rows=self.rollout.per_turn_rows, placement=placement,
+                                       state_shardings=self.shardings)
+
+
+def plan(spec, placement=None, *, keep_programs: bool = False):
+    """Per-device bytes of ``spec``'s run on ``placement`` (default: its ``config.mesh``; the
+    devices must already exist). ``keep_programs``: return ``(figures, compiled)`` so that
+    ``measure`` runs the very executables planned, without compiling them again."""
+    import jax
+
     from ragen_jax.models.kv_cache import init_cache
     from ragen_jax.models.sharding import cache_shardings
-    from ragen_jax.rollout.agent import Rollout
-    from ragen_jax.starpo.update import init_train_state, make_update_step
-    from ragen_jax.training.build import build_env, load_tiny_tokenizer
     from ragen_jax.training.trainer import make_placement
 
     placement = placement or make_placement(spec)
-    cfg = model_config(spec)
-    mode = spec.starpo.critic_mode
-    graphdefs = {}
+    programs = _Programs(spec, placement)
+    cfg, state, traj = programs.cfg, programs.state, programs.traj
+    rollout_exe = programs.rollout._run_from_key.lower(state.params, programs.key, None).compile()
+    update_exe = programs.update.lower(state, traj).compile()
 
-    def build():
-        policy = Decoder(cfg, rngs=nnx.Rngs(0))
-        critic = {"shared": lambda: ValueHead(cfg, rngs=nnx.Rngs(1)),
-                  "separate": lambda: Critic(cfg, rngs=nnx.Rngs(1))}.get(mode, lambda: None)()
-        graphdefs["g"], state = init_train_state(policy, spec.starpo, key=jax.random.key(0), critic=critic)
-        return state
-
-    shapes = jax.eval_shape(build)
-    shardings = placement.state_shardings(shapes)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    gd = graphdefs["g"]
-
-    tokenizer = load_tiny_tokenizer()
-    env, env_params = build_env(spec, tokenizer)
-    rollout = Rollout(gd.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=placement.replicated)
-    rollout_exe = rollout._run_from_key.lower(state.params, key, None).compile()
-    traj = jax.eval_shape(rollout._rollout_from_key, state.params, key, None)
-    traj = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), traj,
-                        placement.batch_shardings(traj))
-    update = make_update_step(gd, spec.starpo, spec.filter, spec.collapse, group_size=spec.rollout.group_size,
-                              shared_prefix_len=len(rollout.codec.preamble_ids), per_turn_rows=rollout.per_turn_rows,
-                              placement=placement, state_shardings=shardings)
-    update_exe = update.lower(state, traj).compile()
-
-    cache = jax.eval_shape(lambda: init_cache(cfg, spec.rollout.batch_size, rollout.cache_len))
+    cache = jax.eval_shape(lambda: init_cache(cfg, spec.rollout.batch_size, programs.rollout.cache_len))
     cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), cache,
                          cache_shardings(cache, placement.mesh))
     r, u = rollout_exe.memory_analysis(), update_exe.memory_analysis()
@@ -148,8 +163,42 @@ def plan(spec, placement=None) -> dict[str, float]:
     out["devices"] = placement.mesh.size
     out["mesh"] = dict(placement.mesh.shape)
     out["num_parameters"] = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-    out["warnings"] = mesh_warnings(cfg, shapes.params, placement.mesh)
-    return out
+    out["warnings"] = mesh_warnings(cfg, programs.shapes.params, placement.mesh)
+    return (out, (programs, placement, rollout_exe, update_exe)) if keep_programs else out
+
+
+def measure(spec, placement=None, compiled=None) -> dict[str, float | None]:
+    """Run the plan's two programs once on the local devices with random weights (initialised in
+    place, sharded) and read what the device allocator saw: ``peak_bytes_in_use`` after the rollout
+    and after the update, per device (the largest over local devices). ``None`` where the backend
+    keeps no statistics (XLA's CPU client). ``compiled``: ``plan(..., keep_programs=True)``'s."""
+    import jax
+
+    from ragen_jax.training.trainer import make_placement
+
+    if compiled is None:
+        placement = placement or make_placement(spec)
+        programs = _Programs(spec, placement)
+        run_rollout = lambda params, key: programs.rollout._run_from_key(params, key, None)  # noqa: E731
+        run_update = programs.update
+    else:
+        programs, placement, rollout_exe, update_exe = compiled
+        run_rollout = lambda params, key: rollout_exe(params, key, None)  # noqa: E731
+        run_update = update_exe
+
+    def peak():
+        stats = [d.memory_stats() or {} for d in jax.local_devices()]
+        values = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+        return max(values) if values else None
+
+    state = jax.jit(programs.build, out_shardings=programs.shardings)()
+    key = jax.device_put(jax.random.key(0), placement.replicated)
+    traj = jax.block_until_ready(run_rollout(state.params, key))
+    after_rollout = peak()
+    state, _ = run_update(state, traj)
+    jax.block_until_ready(state)
+    return {"rollout_peak": after_rollout, "peak": peak(), "devices": placement.mesh.size,
+            "device_kind": jax.local_devices()[0].device_kind}
 
 
 def mesh_warnings(cfg, params, mesh) -> list[str]:
@@ -204,6 +253,18 @@ def report(spec, figures: dict) -> str:
     return "\n".join(lines)
 
 
+def measured_report(figures: dict, measured: dict) -> str:
+    """The plan's peaks beside the allocator's, as predicted / measured."""
+    if measured.get("peak") is None:
+        return f"  measured on {measured['device_kind']}: n/a (this backend keeps no allocator statistics)"
+    lines = [f"Measured on {measured['devices']} × {measured['device_kind']} (peak bytes in use, largest device):"]
+    for label, key, predicted in (("after the rollout", "rollout_peak", figures["rollout_peak"]),
+                                  ("after the update (whole run)", "peak", figures["peak"])):
+        got = measured[key]
+        lines.append(f"  {label:<36}{got / 1e9:9.2f} GB   predicted / measured {predicted / got:.2f}")
+    return "\n".join(lines)
+
+
 def _mesh_devices(config, default: int) -> int:
     sizes = [int(config.mesh[k]) for k in ("data", "fsdp", "tensor")]
     return math.prod(sizes) if -1 not in sizes else default
@@ -217,15 +278,18 @@ def main(argv: list[str] | None = None) -> None:
                                                   lock_config=False)
     devices_flag = flags.DEFINE_integer("devices", 8, "Simulated devices when a mesh axis is -1.")
     json_flag = flags.DEFINE_string("json", None, "Also write the figures (bytes) to this JSON file.")
+    measure_flag = flags.DEFINE_boolean("measure", False, "Plan for the local devices (an accelerator's own compiler) "
+                                        "and then run both programs once with random weights to measure their peak.")
 
     def run(_):
         config = config_flag.value
         n = _mesh_devices(config, devices_flag.value)
-        # Simulated CPU devices, set before jax starts its backend (the config file only imports it).
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         import jax
 
-        jax.config.update("jax_platforms", "cpu")
+        if not measure_flag.value:
+            # Simulated CPU devices, set before jax starts its backend (the config file only imports it).
+            os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+            jax.config.update("jax_platforms", "cpu")
         from ragen_jax.training.configuration import PRESETS, ConfigError, resolve
 
         preset = config.model.preset
@@ -237,14 +301,18 @@ def main(argv: list[str] | None = None) -> None:
                     spec.config.model.preset = preset
             else:
                 spec = resolve(config)
-            figures = plan(spec)
+            figures, compiled = plan(spec, keep_programs=True)
             print(report(spec, figures))
+            measured = measure(spec, compiled=compiled) if measure_flag.value else None
+            if measured is not None:
+                print(measured_report(figures, measured))
             if json_flag.value:
                 import json
 
                 with open(json_flag.value, "w") as f:
-                    json.dump({"figures": figures, "preset": preset, "mesh": spec.config.mesh.to_dict(),
-                               "adv_estimator": spec.starpo.adv_estimator, "critic": spec.starpo.critic_mode}, f)
+                    json.dump({"figures": figures, "measured": measured, "preset": preset,
+                               "mesh": spec.config.mesh.to_dict(), "adv_estimator": spec.starpo.adv_estimator,
+                               "critic": spec.starpo.critic_mode, "platform": jax.devices()[0].platform}, f)
         except ConfigError as e:
             print(f"Configuration error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -199,3 +199,25 @@ def test_planner_warns_when_the_mesh_asks_for_splits_the_model_cannot_take():
 
     text = plan.report(resolve(frozen_lake.get_config()), figures)
     assert text.splitlines()[-2:] == [f"Warning: {w}." for w in three]
+
+
+def test_the_accelerator_check_names_what_the_image_lacks(monkeypatch):
+    """The offline installer asks ``--missing`` which runtime requirements to take from the wheel
+    folder: nothing here (the test extra installs them all), and exactly a distribution that is absent."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import accelerator_check
+    finally:
+        sys.path.pop(0)
+    from importlib import metadata
+
+    assert accelerator_check.missing_requirements() == []
+    real = metadata.version
+
+    def without(name):
+        if name in ("gguf", "ml-collections"):
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", without)
+    assert accelerator_check.missing_requirements() == ["ml-collections", "gguf"]
