@@ -1,0 +1,91 @@
+"""Same seeds, same numbers: record every logged scalar of two fixed-seed 5-step runs, or compare
+two recordings bit for bit (a refactor must not change a single value).
+
+    python tools/series_check.py record before.json
+    python tools/series_check.py record after.json
+    python tools/series_check.py compare before.json after.json [--rename old=new ...]
+
+The runs: the tests' small FrozenLake config (``tests/training/test_trainer.small_config_dict``),
+and the same with GAE, a separate critic, a KL penalty against the reference and LoRA adapters.
+Wall-clock timings are left out; values are stored as ``float.hex`` so the comparison is exact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RUNS = {
+    "frozen_lake_small": {},
+    "gae_critic_kl_lora": {"starpo.adv_estimator": "gae", "starpo.critic": "separate", "starpo.use_kl_loss": True,
+                           "starpo.kl_coef": 0.01, "model.lora_rank": 4},
+}
+
+
+def record(path: str) -> None:
+    from tests.training.test_trainer import small_config_dict
+    from ragen_jax.training.configuration import resolve
+    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.trainer import train
+
+    out = {}
+    for name, over in RUNS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            c = small_config_dict(tmp, total_steps=5)
+            for key, value in over.items():
+                section, field = key.split(".")
+                c[section][field] = value
+            train(resolve(c))
+            scalars = read_scalars(Path(tmp) / "tensorboard")
+            out[name] = {tag: [[step, float(v).hex()] for step, v in series]
+                         for tag, series in sorted(scalars.items())
+                         if not tag.startswith("timing_s/") and tag != "warmup/seconds"}
+        print(f"{name}: {len(out[name])} series")
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+def compare(before: str, after: str, renames: list[str]) -> int:
+    a, b = json.loads(Path(before).read_text()), json.loads(Path(after).read_text())
+    mapping = dict(r.split("=", 1) for r in renames)
+    problems = 0
+    for run in a:
+        old = {mapping.get(tag, tag): series for tag, series in a[run].items()}
+        new = b.get(run, {})
+        for tag in sorted(set(old) | set(new)):
+            if tag not in new:
+                print(f"{run}: {tag} is gone")
+            elif tag not in old:
+                print(f"{run}: {tag} is new")
+            elif old[tag] != new[tag]:
+                diff = [s for (s, v), w in zip(old[tag], new[tag]) if [s, v] != w] or ["(length)"]
+                print(f"{run}: {tag} differs at steps {diff[:5]}")
+            else:
+                continue
+            problems += 1
+        print(f"{run}: {len(old)} series before, {len(new)} after")
+    print("bit-identical" if not problems else f"{problems} difference(s)")
+    return 1 if problems else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("record").add_argument("path")
+    c = sub.add_parser("compare")
+    c.add_argument("before")
+    c.add_argument("after")
+    c.add_argument("--rename", action="append", default=[], help="OLD=NEW metric name")
+    args = ap.parse_args()
+    if args.cmd == "record":
+        record(args.path)
+        return 0
+    return compare(args.before, args.after, args.rename)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
