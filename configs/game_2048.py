@@ -5,7 +5,7 @@
 The original lets an episode run 700 moves (``max_actions_per_traj``) with a 8,192-token budget; on
 a CPU a run sees the opening: 10 turns of one move each, the context limited to the current turn
 (2048 is Markov: the board and the score are all there is). A short behaviour-cloning warm-up on
-the expectimax expert (``environments.solvers.best_2048_move``) gives StarPO valid moves to start
+the expectimax expert (``environments.game_2048.expert.best_2048_move``) gives StarPO valid moves to start
 from; ``env.use_log_reward=False`` switches to the raw merge sum.
 """
 from configs import base

@@ -4,7 +4,7 @@
     python -m ragen_jax.launch --config configs/rubikscube.py --config.env.scramble_depth=3
 
 Physical moves by default (``env.moves="ragen"`` reproduces the original's back turn, see
-``environments/rubiks_cube.py``). The warm-up imitates the optimal solver (``solvers.solve_cube``).
+``environments/rubiks_cube/env.py``). The warm-up imitates the optimal solver (``environments.rubiks_cube.expert.solve_cube``).
 """
 from configs import base
 

@@ -14,13 +14,13 @@ from environments.core import OBSERVATION_FORMATS, Environment, EnvParams, EnvSt
 
 # name -> "module:Class"; imported lazily so one env's import cost is not paid by the others.
 REGISTRY = {
-    "sokoban": "environments.sokoban:Sokoban",
-    "frozen_lake": "environments.frozen_lake:FrozenLake",
-    "bandit": "environments.bandit:Bandit",
-    "game_2048": "environments.game_2048:Game2048",
-    "rubikscube": "environments.rubiks_cube:RubiksCube",
-    "sudoku": "environments.sudoku:Sudoku",
-    "countdown": "environments.countdown:Countdown",
+    "sokoban": "environments.sokoban.env:Sokoban",
+    "frozen_lake": "environments.frozen_lake.env:FrozenLake",
+    "bandit": "environments.bandit.env:Bandit",
+    "game_2048": "environments.game_2048.env:Game2048",
+    "rubikscube": "environments.rubiks_cube.env:RubiksCube",
+    "sudoku": "environments.sudoku.env:Sudoku",
+    "countdown": "environments.countdown.env:Countdown",
 }
 
 # Text environments in Python: ``reset(seed) -> str``, ``step(action: str) -> (str, reward, done, info)``.

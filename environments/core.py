@@ -15,15 +15,22 @@ not (the LLM agent loop masks finished episodes itself). ``obs`` is the symbol g
 
 Actions are 0-based indices into ``env.action_names`` (RAGEN's ids are these plus one).
 
-Optional members the rollout uses when present:
+What the agent reads and how it answers is the environment's own (``AgentFacing``, with the
+defaults of everything optional); the rollout and the warm-up use nothing else:
+  * ``instruction_text(fmt, board_shape, params)``: the task paragraph of the system prompt (default:
+    the ``instruction`` attribute); ``lists_actions(fmt)``: whether the system prompt lists
+    ``action_names`` (default: not for ``"text"`` observations, nor for free-text actions);
   * ``parse_action(text uint8 [W], n int32 []) -> (action pytree, valid bool [])`` with
     ``max_action_bytes = W``: free-text answers (Sudoku's placements, Countdown's equations)
     read on device by the env itself; ``action_names`` is then empty and an action is whatever
-    ``parse_action`` returns (``step_env`` takes the same pytree);
+    ``parse_action`` returns (``step_env`` takes the same pytree). ``None``: actions are names;
   * ``random_action(key)``: a random action of that pytree shape (used to measure observation
     lengths; the default draws an index below ``num_actions``);
-  * ``instruction``: the task paragraph of the system prompt; ``list_actions``: whether the system
-    prompt lists ``action_names`` (default: not for ``"text"`` observations).
+  * ``expert(state, params) -> Plan`` (host, NumPy state): the behaviour-cloning warm-up's
+    demonstrations; ``random_answer(state, rng)``: a random legal-looking answer;
+    ``answer_action(text)``: the action an answer parses to, as the rollout reads it;
+  * ``reset_batch`` / ``render_batch`` / ``step_batch``: the episode batch at once (default: the
+    single-episode functions under ``vmap``; a Python environment makes one host call instead).
 
 Text. The language model reads the state as text. Two renders exist and must agree exactly:
   * ``render_text(state, fmt)`` — host, NumPy, the original's strings (the reference);
@@ -35,11 +42,14 @@ Text. The language model reads the state as text. Two renders exist and must agr
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 OBSERVATION_FORMATS = ("grid", "coord", "grid_coord")
 
@@ -54,16 +64,115 @@ class EnvParams:
     max_steps_in_episode: chex.Array  # int32 [] truncation cap
 
 
-class Environment(abc.ABC):
-    """Base class. Subclasses implement ``reset_env``, ``step_env``, ``observation`` and the renders."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What an expert would answer from a state (the warm-up's demonstrations)."""
+    answers: list[str]                     # the expert's next answers, in order (texts between <answer> tags)
+    reasoning: Callable[[list[str]], str]  # sentence about the state leading to the answers actually given
+
+
+def backtrack(parent: dict, node) -> list[int]:
+    """The actions leading from a BFS root to ``node`` (``parent[n] = (previous, action)``, root: None)."""
+    actions = []
+    while parent[node] is not None:
+        node, act = parent[node]
+        actions.append(act)
+    return actions[::-1]
+
+
+def cell_text(rc) -> str:
+    """A grid cell as the experts' sentences name it: ``(row, col)``."""
+    return f"({int(rc[0])}, {int(rc[1])})"
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_parse(env):
+    return jax.jit(env.parse_action)
+
+
+class AgentFacing:
+    """Everything agent-facing about an environment, with the defaults of the optional parts.
+
+    The rollout (system prompt, action parsing, batched stepping) and the warm-up (experts) talk to
+    an environment only through these members; an environment overrides what it has of its own.
+    """
 
     name: str = "env"
     action_names: tuple[str, ...] = ()
-    observation_formats: tuple[str, ...] = OBSERVATION_FORMATS
+    instruction: str | None = None  # the task paragraph, when it does not depend on the format
+    list_actions: bool | None = None  # None: list the names unless observations are free text
+    parse_action: Callable | None = None  # free-text actions: (text uint8 [W], n) -> (action, valid bool)
+    max_action_bytes: int | None = None  # W of parse_action (None: the reply's length)
+    max_obs_tokens: int | None = None  # an observation's token bound, when the env knows it
 
     @property
     def num_actions(self) -> int:
         return len(self.action_names)
+
+    # --- the system prompt ----------------------------------------------------------------
+    def instruction_text(self, fmt: str, board_shape: tuple[int, int] | None, params=None) -> str:
+        """The task paragraph for observation format ``fmt`` on a ``board_shape`` board."""
+        if self.instruction is None:
+            raise ValueError(f"environment {self.name!r} has no instruction; give it an `instruction` (or override "
+                             "`instruction_text`), or set config.rollout.instruction")
+        return self.instruction
+
+    def lists_actions(self, fmt: str) -> bool:
+        """Whether the system prompt lists ``action_names`` (never for free-text actions)."""
+        if self.parse_action is not None:
+            return False
+        return fmt != "text" if self.list_actions is None else bool(self.list_actions)
+
+    # --- actions --------------------------------------------------------------------------
+    def random_action(self, key):
+        """A uniformly random action (used to measure observation lengths)."""
+        return jax.random.randint(key, (), 0, self.num_actions)
+
+    def answer_action(self, text: str):
+        """The action ``text`` parses to, as the rollout reads it (host arrays)."""
+        if self.parse_action is None:
+            return {n.lower(): i for i, n in enumerate(self.action_names)}[text.lower()]
+        data = text.encode("utf-8")
+        width = int(self.max_action_bytes or max(len(data), 1))
+        buf = np.zeros((width,), np.uint8)
+        buf[: min(len(data), width)] = np.frombuffer(data[:width], np.uint8)
+        action, _ = _jitted_parse(self)(jnp.asarray(buf), jnp.int32(len(data)))
+        return action
+
+    # --- the warm-up's expert -------------------------------------------------------------
+    def expert(self, state, params) -> Plan:
+        """The expert's answers from a host (NumPy) ``state``."""
+        raise NotImplementedError(f"environment {self.name!r} has no expert for behaviour cloning")
+
+    @classmethod
+    def has_expert(cls) -> bool:
+        return cls.expert is not AgentFacing.expert
+
+    def random_answer(self, state, rng: np.random.Generator) -> str:
+        """A random answer of the right shape (default: one of the action names)."""
+        if not self.action_names:
+            raise ValueError(f"environment {self.name!r} has free-text actions: override random_answer")
+        return self.action_names[int(rng.integers(len(self.action_names)))]
+
+    # --- the episode batch (what the rollout calls) ---------------------------------------
+    def reset_batch(self, keys, params):
+        return jax.vmap(self.reset, in_axes=(0, None))(keys, params)
+
+    def render_batch(self, state, params, fmt):
+        return jax.vmap(lambda s: self.render_pieces(s, params, fmt))(state)
+
+    def step_batch(self, keys, state, actions, params, do):
+        """One step for the rows with ``do`` [B] (the others keep their state), no auto-reset:
+        ``(state, reward [B], terminated [B], truncated [B], info)``."""
+        _, nst, r, term, trunc, info = jax.vmap(self.step_env, in_axes=(0, 0, 0, None))(keys, state, actions, params)
+        nst = jax.tree.map(lambda x, y: jnp.where(do.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), nst, state)
+        return nst, r, term, trunc, info
+
+
+class Environment(AgentFacing, abc.ABC):
+    """Base class. Subclasses implement ``reset_env``, ``step_env``, ``observation`` and the renders."""
+
+    observation_formats: tuple[str, ...] = OBSERVATION_FORMATS
 
     # --- dynamics -------------------------------------------------------------------------
     @abc.abstractmethod

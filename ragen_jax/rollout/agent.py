@@ -197,40 +197,14 @@ def validation_keys(n: int, seed: int = 123) -> jax.Array:
     return jax.random.split(jax.random.key(seed), n)
 
 
-def _env_name(env) -> str:
-    return getattr(env, "name", type(env).__name__).lower()
-
-
-def _is_slippery(env, env_params) -> bool:
-    """Whether moves can slip: the env's static flag and, when concrete, ``success_rate < 1``."""
-    if not getattr(env, "is_slippery", False):
-        return False
-    rate = getattr(env_params, "success_rate", None)
-    try:
-        return rate is None or float(rate) < 1.0
-    except jax.errors.ConcretizationTypeError:  # traced params: keep the cautious sentence
-        return True
-
-
 def build_system_text(env, fmt: str, config: RolloutConfig, board_shape, env_params=None) -> str:
-    """The system message for ``env`` as configured (legend and actions from the env itself).
-
-    ``env_params`` decides FrozenLake's slippery-ice sentence (absent when ``success_rate`` is 1).
-    """
+    """The system message for ``env`` as configured: ``config.instruction`` or the env's own
+    (``env.instruction_text``), its legend for grid formats, its action list where it has one."""
     instruction = config.instruction
     if instruction is None:
-        instruction = getattr(env, "instruction", None)
-    if instruction is None:
-        instruction = prompts.env_instruction(_env_name(env), fmt, board_shape,
-                                              slippery=_is_slippery(env, env_params))
-    shows_grid = fmt in ("grid", "grid_coord")
-    legend = env.legend() if shows_grid else None
-    # Free-text observations (the bandit) name their own choices; the global action list would
-    # only leak every episode's options into the system prompt. An env says otherwise with
-    # ``list_actions`` (2048 and the cube render text but have a fixed move set); free-text
-    # actions (``parse_action``) have no list.
-    lists = getattr(env, "list_actions", fmt != "text")
-    actions = tuple(env.action_names) if lists and not hasattr(env, "parse_action") else None
+        instruction = env.instruction_text(fmt, board_shape, env_params)
+    legend = env.legend() if fmt in ("grid", "grid_coord") else None
+    actions = tuple(env.action_names) if env.lists_actions(fmt) else None
     return prompts.system_message(
         instruction, legend=legend, action_names=actions,
         max_actions_per_turn=config.max_actions_per_turn,
@@ -240,16 +214,9 @@ def build_system_text(env, fmt: str, config: RolloutConfig, board_shape, env_par
 def action_vocab(env, reply_bytes: int):
     """What the parser matches answer parts against: the env's action names, or — for an env with
     free-text actions (``env.parse_action``) — a ``parser.TextActions`` of the env's own parser."""
-    if hasattr(env, "parse_action"):
-        return parser_lib.TextActions(env.parse_action, int(getattr(env, "max_action_bytes", None) or reply_bytes))
+    if env.parse_action is not None:
+        return parser_lib.TextActions(env.parse_action, int(env.max_action_bytes or reply_bytes))
     return parser_lib.ActionVocab.from_names(tuple(env.action_names))
-
-
-def random_action(env):
-    """``key -> action``: a uniformly random action (``env.random_action`` for free-text envs)."""
-    if hasattr(env, "random_action"):
-        return env.random_action
-    return lambda key: jax.random.randint(key, (), 0, env.num_actions)
 
 
 class Rollout:
@@ -280,9 +247,7 @@ class Rollout:
         pieces_shape = jax.eval_shape(lambda s: env.render_pieces(s, env_params, fmt), state_shape)
         max_obs_pieces = pieces_shape[0].shape[-1]
 
-        max_obs_tokens = config.max_obs_tokens
-        if max_obs_tokens is None and hasattr(env, "max_obs_tokens"):
-            max_obs_tokens = env.max_obs_tokens
+        max_obs_tokens = config.max_obs_tokens if config.max_obs_tokens is not None else env.max_obs_tokens
         if max_obs_tokens is None:
             max_obs_tokens = self._measure_obs_tokens(tokenizer, state_shape)
         self.max_obs_tokens = max_obs_tokens
@@ -373,7 +338,7 @@ class Rollout:
         @jax.jit
         def walk(state, key):
             ka, ks = jax.random.split(key)
-            acts = jax.vmap(random_action(env))(jax.random.split(ka, batch))
+            acts = jax.vmap(env.random_action)(jax.random.split(ka, batch))
             # step_env: no auto-reset, so the level generator is compiled once (in ``first``)
             _, state, *_ = jax.vmap(env.step_env, in_axes=(0, 0, 0, None))(jax.random.split(ks, batch), state, acts, ep)
             return state, count(state)
@@ -660,25 +625,16 @@ class Rollout:
             turn_reply_cut=pt["cut"],
         )
 
-    # ---- batched env access (vmapped JAX env, or a HostEnv's single host call) ---------------
+    # ---- the episode batch: the env's own batched access (vmapped, or a HostEnv's host call) -----
     def _reset_batch(self, keys):
-        if hasattr(self.env, "reset_batch"):
-            return self.env.reset_batch(keys, self.env_params)
-        return jax.vmap(self.env.reset, in_axes=(0, None))(keys, self.env_params)
+        return self.env.reset_batch(keys, self.env_params)
 
     def _render_batch(self, state):
-        if hasattr(self.env, "render_batch"):
-            return self.env.render_batch(state, self.env_params, self.fmt)
-        return jax.vmap(lambda s: self.env.render_pieces(s, self.env_params, self.fmt))(state)
+        return self.env.render_batch(state, self.env_params, self.fmt)
 
     def _step_batch(self, keys, state, actions, do):
         """One env step for the rows with ``do`` (the others keep their state)."""
-        if hasattr(self.env, "step_batch"):
-            return self.env.step_batch(keys, state, actions, self.env_params, do)
-        _, nst, r, term, trunc, info = jax.vmap(self.env.step_env, in_axes=(0, 0, 0, None))(
-            keys, state, actions, self.env_params)
-        nst = jax.tree.map(lambda x, y: jnp.where(do.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), nst, state)
-        return nst, r, term, trunc, info
+        return self.env.step_batch(keys, state, actions, self.env_params, do)
 
 
 # ---------------------------------------------------------------------------------------------------

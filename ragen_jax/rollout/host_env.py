@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from environments.core import EnvParams
+from environments.core import AgentFacing, EnvParams
 
 
 # Errors of Python environments, newest last: an error raised inside ``io_callback`` reaches the
@@ -57,11 +57,10 @@ class HostEnvState:
     time: chex.Array  # int32 [] steps taken
 
 
-class HostEnv:
-    """Adapter: a batch of Python text environments with the interface the rollout loop uses.
-
-    The loop calls the batched ``reset_batch`` / ``step_batch`` / ``render_batch`` (one host call
-    for all rows) instead of ``vmap`` over single-env functions.
+class HostEnv(AgentFacing):
+    """Adapter: a batch of Python text environments with the interface the rollout loop uses
+    (``environments.core.AgentFacing``): its batched ``reset_batch`` / ``step_batch`` /
+    ``render_batch`` make one host call for all rows where an on-device env is ``vmap``-ped.
     """
 
     name = "host"

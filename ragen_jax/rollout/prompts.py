@@ -1,11 +1,12 @@
 """The text the agent reads: system message, per-turn user blocks, reward messages, warning.
 
 RAGEN's prompt (spec §4.2), with its bugs fixed:
-  * the symbol legend and the action list come from the environment actually configured
-    (``env.legend()``, ``env.action_names``), not from dataclass defaults;
+  * the instruction, the symbol legend and the action list come from the environment actually
+    configured (``env.instruction_text``, ``env.legend()``, ``env.action_names``), not from
+    dataclass defaults (so the coordinate range in Sokoban's / FrozenLake's coordinate hint is
+    the real board size);
   * the sentence about actions states ``max_actions_per_turn`` — the number the loop executes
-    per turn — instead of the episode budget;
-  * the coordinate range in the Sokoban/FrozenLake coordinate hint is the real board size.
+    per turn — instead of the episode budget.
 
 Conversation layout (one user message per turn, the reward of the previous turn opening it)::
 
@@ -30,69 +31,6 @@ THINK_FORMAT = "<think> [Your thoughts] </think> <answer> [your answer] </answer
 ANSWER_FORMAT = "<answer> [your answer] </answer>"
 
 ACTION_SEPARATOR = "||"
-
-# Instructions per environment. Sokoban's and FrozenLake's end with "\n" (they were YAML block
-# scalars in the original, so the legend starts on a fresh line after one blank line).
-SOKOBAN_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
-    "When you are right next to a box, you can push it by moving in the same direction. "
-    "You cannot push a box through a wall, and you cannot pull a box. "
-    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
-)
-SOKOBAN_COORD_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
-    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
-    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
-    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
-    "You cannot push a box through a wall, and you cannot pull a box.\n"
-    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
-)
-FROZEN_LAKE_SLIPPERY = "The ice is slippery: a move may take you in a direction you did not intend."
-FROZEN_LAKE_INSTRUCTION = (
-    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
-    + FROZEN_LAKE_SLIPPERY + " "
-    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
-)
-FROZEN_LAKE_COORD_INSTRUCTION = (
-    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
-    + FROZEN_LAKE_SLIPPERY + "\n"
-    "You are provided with the zero-indexed coordinates of the start, the goal, the player and each hole. \n"
-    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
-    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
-)
-BANDIT_INSTRUCTION = (
-    "You are playing a bandit game: the state describes two arms, and you pull one of them. "
-    "Answer with the name of the arm you choose, like <answer> ArmName </answer>.\n"
-)
-
-
-def env_instruction(env_name: str, fmt: str, board_shape: tuple[int, int] | None = None,
-                    slippery: bool = True) -> str:
-    """The instruction paragraph for an environment and observation format.
-
-    ``board_shape`` (rows, cols) fills the coordinate range of the coordinate formats; it is the
-    configured board, so an 8×8 Sokoban reads "(7, 7)" (the original always said "(5, 5)").
-    ``slippery=False`` (FrozenLake with deterministic moves) drops the slippery-ice sentence, which
-    the original kept even when every move went where it was meant to.
-    """
-    coord = fmt in ("coord", "grid_coord")
-    if env_name in ("sokoban", "frozen_lake") and coord:
-        if board_shape is None:
-            raise ValueError(f"{env_name} with observation_format={fmt!r} needs board_shape=(rows, cols)")
-        template = SOKOBAN_COORD_INSTRUCTION if env_name == "sokoban" else FROZEN_LAKE_COORD_INSTRUCTION
-        text = template.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
-    else:
-        table = {"sokoban": SOKOBAN_INSTRUCTION, "frozen_lake": FROZEN_LAKE_INSTRUCTION, "bandit": BANDIT_INSTRUCTION}
-        if env_name not in table:
-            raise ValueError(
-                f"no built-in instruction for environment {env_name!r}; pass instruction=... to "
-                f"system_message (built-in: {sorted(table)})"
-            )
-        text = table[env_name]
-    if env_name == "frozen_lake" and not slippery:
-        text = text.replace(" " + FROZEN_LAKE_SLIPPERY, "")
-    return text
-
 
 def system_message(
     instruction: str,

@@ -19,6 +19,9 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+import environments
+from environments.core import AgentFacing
+
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_tokenizer"
 
 # preset -> (kind, HF repo the local directory should hold, recommended actor / critic lr).
@@ -51,6 +54,12 @@ class RunSpec:
     filter: Any  # FilterConfig
     collapse: Any  # CollapseConfig
     preset: str
+
+
+def _has_expert(env_name: str) -> bool:
+    """Whether the environment (or tag) ``env_name`` has an expert for behaviour cloning."""
+    cls = environments.env_class(env_name)
+    return issubclass(cls, AgentFacing) and cls.has_expert()
 
 
 def _fail(msg: str):
@@ -100,8 +109,6 @@ def check_env_settings(name: str, ctor_kw: dict, param_kw: dict) -> None:
     """Build the (on-device) environment and its params once, so an out-of-range setting
     (``env.size=100``) is one line at start-up, before the workdir is touched. Python text
     environments are checked when the run builds them (their constructors may read data files)."""
-    import environments
-
     if environments.is_host(name):
         return
     try:
@@ -119,8 +126,6 @@ def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
     the configured ones. -> ``(environment name, constructor kwargs, params kwargs)``; for a Python
     text environment the params are the ``HostEnv`` wrapper's settings.
     """
-    import environments
-
     try:
         base, settings = environments.resolve(name)
     except ValueError:
@@ -261,10 +266,9 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None
     except ValueError as e:
         _fail(f"{e} (rollout.num_groups × rollout.group_size = {rollout.num_groups} × {rollout.group_size} "
               f"= {rollout.batch_size} trajectories)")
-    from ragen_jax.training.experts import EXPERTS
-
-    if (warmup.steps or warmup.single_turn_steps) and env_name not in EXPERTS:
+    if (warmup.steps or warmup.single_turn_steps) and not _has_expert(env_name):
         key = "warmup.steps" if warmup.steps else "warmup.single_turn_steps"
+        with_experts = sorted(n for n in environments.REGISTRY if _has_expert(n))
         _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={env_name!r} has no expert "
-              f"solver; behaviour cloning supports {', '.join(sorted(EXPERTS))} (set warmup.steps=0 and "
+              f"solver; behaviour cloning supports {', '.join(with_experts)} (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")

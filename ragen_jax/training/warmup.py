@@ -6,9 +6,9 @@ conversations fixes that. The conversations are produced by the rollout itself w
 replies (``ForcedReplies``), so their tokens, chat framing, observations, reward messages and loss
 mask are exactly what RL rollouts produce — one piece of code builds both.
 
-Expert. At every turn a closed-loop expert (``ragen_jax.training.experts``) re-plans from the current
-state with the env's solver (``environments.solvers``: BFS for Sokoban, shortest path avoiding holes
-for FrozenLake, search for the cube, Sudoku and Countdown, expectimax for 2048) and takes
+Expert. At every turn the env's closed-loop expert (``env.expert``, in each environment's
+``expert.py``) re-plans from the current state with its solver (BFS for Sokoban, shortest path avoiding
+holes for FrozenLake, search for the cube, Sudoku and Countdown, expectimax for 2048) and takes
 the first ``max_actions_per_turn`` actions. States are simulated on the host with the rollout's own
 step keys (``fold_in(env_key, actions_taken + 1)``), so even slippery FrozenLake's outcomes match
 what the scripted rollout then produces. Each reply is short, state-specific reasoning plus the
@@ -37,10 +37,9 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
-from ragen_jax.training import experts
 
 # --------------------------------------------------------------------------------------------
-# Expert replies (the experts themselves: ragen_jax.training.experts)
+# Expert replies (the experts themselves: each environment's expert.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -88,10 +87,10 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
         for t in range(T):
             if done or n_actions >= c.max_actions_per_traj:
                 break
-            expert = experts.plan(env, state, ep)
+            expert = env.expert(jax.tree.map(np.asarray, state), ep)
             answers = list(expert.answers[: c.max_actions_per_turn])
             if not answers or (action_noise and rng.random() < action_noise):
-                answers = [experts.random_answer(env, state, rng)]
+                answers = [env.random_answer(state, rng)]
             reasoning = expert.reasoning(answers)
             ids = codec_lib.encode(rollout.tokenizer, reply_text(reasoning, answers, c.enable_think))
             if len(ids) > N:
@@ -102,7 +101,7 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
             described[b, t] = _described_tokens(rollout.tokenizer, reasoning, ids) if c.enable_think else 0
             for answer in answers[: c.max_actions_per_traj - n_actions]:
                 skey = jax.random.fold_in(key, n_actions + 1)
-                _, state, _, term, trunc, info = step(skey, state, experts.answer_action(env, answer), ep)
+                _, state, _, term, trunc, info = step(skey, state, env.answer_action(answer), ep)
                 n_actions += 1
                 if bool(term) or bool(trunc):
                     done = True

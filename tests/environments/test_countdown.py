@@ -15,7 +15,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from environments import render, solvers
+from environments import render
+from environments.countdown import expert as solvers
 from environments.countdown import Countdown
 
 ENV = Countdown()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from environments import make, render
-from environments.frozen_lake import FrozenLake, FrozenLakeParams, FrozenLakeState, check_params
+from environments.frozen_lake.env import FrozenLake, FrozenLakeParams, FrozenLakeState, check_params
 from tests.environments import reference_frozen_lake as ref
 
 
@@ -360,7 +360,7 @@ def test_bad_params_raise(kwargs, match):
 def test_bernoulli_words_bit_frequencies():
     """Bit-parallel Bernoulli: every bit position is 1 with probability p16 / 2**16 (3 sigma), the
     bits of a word are uncorrelated, and the two ends are exact."""
-    from environments.frozen_lake import bernoulli_words
+    from environments.frozen_lake.env import bernoulli_words
 
     n = 4096
     words = jax.random.bits(jax.random.PRNGKey(4), (16, n), jnp.uint32)
@@ -393,7 +393,7 @@ def test_other_sizes_have_paths_and_render(size):
 def test_flood_steps_bound_is_the_exhaustive_worst_case(size):
     """For every free-cell mask and every seed cell, BFS eccentricity <= FLOOD_STEPS[size], with
     equality somewhere (so the bound is tight). Exhaustive: 2**(size*size) masks."""
-    from environments.frozen_lake import FLOOD_STEPS
+    from environments.frozen_lake.env import FLOOD_STEPS
 
     cells = size * size
     masks = np.arange(1 << cells, dtype=np.int64)

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from environments import render, solvers
-from environments.game_2048 import Game2048, slide
+from environments import render
+from environments.game_2048 import expert as solvers
+from environments.game_2048.env import Game2048, slide
 from tests.environments import reference_2048 as ref
 
 ENV = Game2048()

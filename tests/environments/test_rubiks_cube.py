@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from environments import render, solvers
-from environments.rubiks_cube import ACTION_NAMES, SOLVED, RubiksCube, move_table
+from environments import render
+from environments.rubiks_cube import expert as solvers
+from environments.rubiks_cube.env import ACTION_NAMES, SOLVED, RubiksCube, move_table
 
 # Sticker -> (cubie position, outward normal); faces U, L, F, R, B, D in reading order.
 _FACES = {

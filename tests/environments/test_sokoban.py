@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from environments import render
-from environments.sokoban import Sokoban, SokobanState, fallback_room
-from environments.solvers import solve_sokoban
+from environments.sokoban import Sokoban, SokobanState
+from environments.sokoban.levels import fallback_room
+from environments.sokoban.expert import solve_sokoban
 from tests.environments.reference_sokoban import ReferenceSokoban
 
 UP, DOWN, LEFT, RIGHT = range(4)

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from environments.solvers import frozen_lake_shortest_path, solve_sokoban
+from environments.frozen_lake.expert import frozen_lake_shortest_path
+from environments.sokoban.expert import solve_sokoban
 from tests.environments.reference_sokoban import ReferenceSokoban
 
 UP, DOWN, LEFT, RIGHT = range(4)

@@ -15,8 +15,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from environments import render, solvers
-from environments import sudoku as sd
+from environments import render
+from environments.sudoku import expert as solvers
+from environments.sudoku import text as sd
 from environments.sudoku import Sudoku
 
 ENV = Sudoku()

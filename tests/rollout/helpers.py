@@ -10,6 +10,9 @@ import functools
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from environments.bandit import Bandit
+from environments.frozen_lake import env as frozen_lake_env
+from environments.sokoban import env as sokoban_env
 from ragen_jax.rollout import prompts
 
 QWEN_TEMPLATE = (
@@ -40,10 +43,10 @@ def _corpus() -> list[str]:
         "P: player, _: empty, O: hole, G: goal, X: player in hole, √: player on goal",
     ]
     texts = [
-        prompts.SOKOBAN_INSTRUCTION,
-        prompts.SOKOBAN_COORD_INSTRUCTION,
-        prompts.FROZEN_LAKE_INSTRUCTION,
-        prompts.BANDIT_INSTRUCTION,
+        sokoban_env.INSTRUCTION,
+        sokoban_env.COORD_INSTRUCTION,
+        frozen_lake_env.INSTRUCTION,
+        Bandit.instruction,
         prompts.INVALID_ACTION_WARNING,
         prompts.turn_block(1, boards[0], 10, warning=True, enable_think=True, max_words=100),
         "<think> I should move Up then Left </think> <answer> Up || Left </answer>",

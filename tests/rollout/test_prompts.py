@@ -25,9 +25,10 @@ def test_slippery_sentence_follows_the_dynamics(fmt, is_slippery, success_rate, 
 
 
 def test_instruction_text_is_the_originals_when_slippery():
-    assert prompts.env_instruction("frozen_lake", "grid") == (
+    slippery = environments.make("frozen_lake", size=4)
+    assert slippery.instruction_text("grid", (4, 4), slippery.default_params()) == (
         "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. " + SENTENCE + " "
         "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n")
-    assert prompts.env_instruction("frozen_lake", "grid", slippery=False) == (
+    assert slippery.instruction_text("grid", (4, 4), slippery.default_params(success_rate=1.0)) == (
         "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
         "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n")

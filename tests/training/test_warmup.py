@@ -15,7 +15,7 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout
 from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
 from ragen_jax.training import warmup as warmup_lib
-from ragen_jax.training.experts import frozen_lake_reasoning
+from environments.frozen_lake.expert import frozen_lake_reasoning
 from ragen_jax.training.warmup import bc_loss, expert_replies, reply_text
 from ragen_jax.models import Decoder
 from ml_collections import ConfigDict
@@ -359,8 +359,7 @@ def test_warmup_learning_rate_schedule_matches_the_formula(warm, decay_start, de
 
 
 def test_bandit_expert_pulls_the_high_risk_arm_and_noise_picks_a_shown_one():
-    from environments import bandit
-    from ragen_jax.training import experts
+    from environments.bandit import env as bandit
 
     env = bandit.Bandit()
     ep = env.default_params()
@@ -370,11 +369,11 @@ def test_bandit_expert_pulls_the_high_risk_arm_and_noise_picks_a_shown_one():
         state = jax.tree.map(np.asarray, state)
         lo, hi = bandit.ARM_PAIRS["train"][int(state.pair)]  # (low-risk, high-risk)
         first, second = (hi, lo) if bool(state.hi_first) else (lo, hi)
-        plan = experts.plan(env, state, ep)
+        plan = env.expert(state, ep)
         assert plan.answers == [hi]
         assert plan.reasoning([lo]) == f"The arms are {first} and {second}; I pull {lo}."
         # Noise (warmup.action_noise) answers one of the two arms on the prompt, never another name.
-        picks = {experts.random_answer(env, state, rng) for _ in range(40)}
+        picks = {env.random_answer(state, rng) for _ in range(40)}
         assert picks == {lo, hi}
-        _, _, reward, term, _, info = env.step_env(jax.random.key(1), state, experts.answer_action(env, hi), ep)
+        _, _, reward, term, _, info = env.step_env(jax.random.key(1), state, env.answer_action(hi), ep)
         assert bool(term) and bool(info["success"])

@@ -43,11 +43,11 @@ import numpy as np
 from environments import render
 from environments import text_match as tm
 from environments.core import EnvParams, EnvState, Environment
+from environments.sudoku import text as sudoku_text
+from environments.sudoku.text import (CONFLICT, CORRECT, EXPECTED, GIVEN, LEGAL, LEGEND, NONE, NUM_RANGE, PARSE_ERROR,  # noqa: F401
+                                      ROW_RANGE, RULE, COL_RANGE)
 
 REMOVED_FRACTION = {"easy": 0.4, "medium": 0.5, "hard": 0.6}
-EXPECTED = "Expected format: 'place 5 at row 2 col 3' or '2,3,5'"
-RULE = "=" * 50
-LEGEND = "Legend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty"
 
 # The original's patterns, in its order: (elements, the value comes first).
 PATTERNS = (
@@ -59,8 +59,7 @@ PATTERNS = (
     (tm.NUM, b",", tm.OPT_WS, tm.NUM, b",", tm.OPT_WS, tm.NUM),
 )
 
-# Feedback kinds (``SudokuState.feedback``) and action kinds (``action["kind"]``).
-NONE, PARSE_ERROR, ROW_RANGE, COL_RANGE, NUM_RANGE, GIVEN, CONFLICT, CORRECT, LEGAL = range(9)
+# Feedback kinds (``SudokuState.feedback``) and action kinds (``action["kind"]``): sudoku.text.
 
 
 @chex.dataclass(frozen=True)
@@ -480,7 +479,16 @@ class Sudoku(Environment):
     # --- host reference render (the original's formatting functions, NumPy) -----------------
     def render_text(self, state: SudokuState, fmt: str | None = None) -> str:
         fmt = self.check_format(fmt)
-        from environments import sudoku_text
-
         return sudoku_text.render(jax.tree.map(np.asarray, state), fmt, self.n, self.show_conflicts,
                                   self.show_valid_numbers)
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.sudoku import expert
+
+        return expert.plan(self, state, params)
+
+    def random_answer(self, state, rng) -> str:
+        """A random placement, in the env's own answer form."""
+        r, c, v = (int(x) for x in rng.integers(0, self.n, 3))
+        return self.answer_text(r, c, v + 1)

@@ -145,6 +145,7 @@ class Game2048(Environment):
     observation_formats = ("text",)
     observation_format = "text"
     list_actions = True  # the system prompt lists the four moves, as the original's action_lookup does
+
     instruction = (
         "You are playing 2048 on a 4x4 grid. Slide all tiles Up, Right, Down or Left; two equal tiles "
         "that meet merge into their sum. A move that moves no tile is invalid and costs a small penalty. "
@@ -269,3 +270,9 @@ class Game2048(Environment):
         lines += ["", f"Valid Actions: {', '.join(names) if names else 'None'}.", GOAL_LINE,
                   f"Current Score: {int(np.asarray(state.score))}", "What is your next move?"]
         return "\n".join(lines)
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.game_2048 import expert
+
+        return expert.plan(self, state, params)

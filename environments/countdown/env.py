@@ -354,3 +354,16 @@ class Countdown(Environment):
 
     def answer_text(self, expression: str) -> str:
         return expression
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.countdown import expert
+
+        return expert.plan(self, state, params)
+
+    def random_answer(self, state, rng) -> str:
+        """The numbers in a random order joined by random operators."""
+        nums = [int(v) for v in np.asarray(state.numbers)[: int(np.asarray(state.count))]]
+        rng.shuffle(nums)
+        ops = [str(rng.choice(list(self.operators))) for _ in nums[1:]]
+        return " ".join(x for pair in zip(map(str, nums), ops + [""]) for x in pair).strip()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from environments import render
-from environments.sokoban_levels import BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET, TARGET
+from environments.sokoban.levels import BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET, TARGET
 
 DEFAULT_GRID_LOOKUP = {0: "#", 1: "_", 2: "O", 3: "√", 4: "X", 5: "P", 6: "S"}
 # The meaning of each code; a custom lookup without a vocab gets its legend from these.

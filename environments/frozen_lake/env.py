@@ -48,6 +48,21 @@ CODE_MEANINGS = {0: "player", 1: "empty", 2: "hole", 3: "goal", 4: "player in ho
 # (d_row, d_col). Slipping turns direction d into (d - 1) % 4 or (d + 1) % 4: the perpendiculars.
 ACTION_NAMES = ("Left", "Down", "Right", "Up")
 
+# The task paragraph (see Sokoban's); the slippery-ice sentence only where moves can slip.
+SLIPPERY = "The ice is slippery: a move may take you in a direction you did not intend."
+INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
+    + SLIPPERY + " "
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+COORD_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. Avoid the holes and reach the goal. "
+    + SLIPPERY + "\n"
+    "You are provided with the zero-indexed coordinates of the start, the goal, the player and each hole. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+
 
 @chex.dataclass(frozen=True)
 class FrozenLakeState(EnvState):
@@ -489,3 +504,29 @@ class FrozenLake(Environment):
         if fmt == "coord":
             return coord
         return "Coordinates: \n" + coord + "\n" + "Grid Map: \n" + grid_text
+
+    # --- the system prompt ---------------------------------------------------------------------
+    def slips(self, params=None) -> bool:
+        """Whether moves can slip: ``is_slippery`` and, when concrete, ``success_rate < 1``."""
+        if not self.is_slippery:
+            return False
+        rate = getattr(params, "success_rate", None)
+        try:
+            return rate is None or float(rate) < 1.0
+        except jax.errors.ConcretizationTypeError:  # traced params: keep the cautious sentence
+            return True
+
+    def instruction_text(self, fmt, board_shape, params=None) -> str:
+        """The task paragraph; without the slippery-ice sentence when no move can slip (the original
+        kept it even when every move went where it was meant to)."""
+        if fmt in ("coord", "grid_coord"):
+            text = COORD_INSTRUCTION.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
+        else:
+            text = INSTRUCTION
+        return text if self.slips(params) else text.replace(" " + SLIPPERY, "")
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.frozen_lake import expert
+
+        return expert.plan(self, state, params)

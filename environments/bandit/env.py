@@ -98,6 +98,10 @@ class Bandit(Environment):
     name = "bandit"
     observation_formats = ("text",)
     observation_format = "text"
+    instruction = (
+        "You are playing a bandit game: the state describes two arms, and you pull one of them. "
+        "Answer with the name of the arm you choose, like <answer> ArmName </answer>.\n"
+    )
 
     def __init__(self, split: str = "train", observation_format: str = "text"):
         if split not in ARM_PAIRS:
@@ -180,3 +184,13 @@ class Bandit(Environment):
     def legend(self) -> str:
         """The bandit prompt has no symbols to explain."""
         return ""
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.bandit import expert
+
+        return expert.plan(self, state, params)
+
+    def random_answer(self, state, rng) -> str:
+        """One of the two arms shown (every other name is an invalid action)."""
+        return self.action_names[int(np.asarray(self.shown_arms(state))[int(rng.integers(2))])]

@@ -8,8 +8,8 @@ one leaves a target, +10 once every box is on a target (which terminates the epi
 truncated after ``max_steps`` actions (a solve on the last step counts as terminated, not truncated).
 
 The level generator (RAGEN's ``generate_room`` at a fixed cost per level, and the auto-reset
-that generates only for finished lanes) is ``environments.sokoban_levels``; the renders
-(``grid`` / ``coord`` / ``grid_coord``) are ``environments.sokoban_render``. This module is the
+that generates only for finished lanes) is ``environments.sokoban.levels``; the renders
+(``grid`` / ``coord`` / ``grid_coord``) are ``environments.sokoban.render``. This module is the
 environment: state, dynamics, reward.
 
 State layout: ``grid`` holds *render codes* (0 wall, 1 floor, 2 empty target, 3 box on target, 4
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from environments.core import EnvParams, EnvState, Environment
-from environments.sokoban_levels import (BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, PLAYER_ON_TARGET, TARGET, WALL,
+from environments.sokoban.levels import (BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, PLAYER_ON_TARGET, TARGET, WALL,
                                          Level, LevelGenerator, fallback_room)
-from environments.sokoban_render import CODE_MEANINGS, DEFAULT_GRID_LOOKUP, SokobanRenderer, check_lookup
+from environments.sokoban.render import CODE_MEANINGS, DEFAULT_GRID_LOOKUP, SokobanRenderer, check_lookup
 
 # The codes, tables and helpers of the two halves, importable from here as before the split.
 __all__ = ["ACTION_NAMES", "BOX", "BOX_ON_TARGET", "CODE_MEANINGS", "DEFAULT_GRID_LOOKUP", "FLOOR", "Level", "MOVES",
@@ -36,6 +36,23 @@ __all__ = ["ACTION_NAMES", "BOX", "BOX_ON_TARGET", "CODE_MEANINGS", "DEFAULT_GRI
 ACTION_NAMES = ("Up", "Down", "Left", "Right")
 # gym-sokoban's rewards.
 STEP_PENALTY, BOX_ON_REWARD, BOX_OFF_PENALTY, FINISH_REWARD = -0.1, 1.0, -1.0, 10.0
+
+# The task paragraph (YAML block scalars in the original: they end with a newline, so the legend
+# starts on a fresh line after one blank line). The coordinate form names the real board's range.
+INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
+    "When you are right next to a box, you can push it by moving in the same direction. "
+    "You cannot push a box through a wall, and you cannot pull a box. "
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+COORD_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
+    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner ({last_row}, {last_col}). \n"
+    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
+    "You cannot push a box through a wall, and you cannot pull a box.\n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
 
 
 @chex.dataclass(frozen=True)
@@ -143,7 +160,7 @@ class Sokoban(Environment):
         return SokobanParams(max_steps_in_episode=jnp.asarray(self.max_steps, jnp.int32),
                              distance_shaping=jnp.float32(distance_shaping), noop_penalty=jnp.float32(noop_penalty))
 
-    # --- generation (environments.sokoban_levels) ------------------------------------------------
+    # --- generation (environments.sokoban.levels) ------------------------------------------------
     def generate(self, key: chex.PRNGKey) -> Level:
         """One level (the first valid of ``num_candidates`` rooms, else the fixed fallback room)."""
         return self.generator.generate(key)
@@ -221,7 +238,7 @@ class Sokoban(Environment):
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), fresh, next_state)
         return self.observation(next_state, params), next_state, reward, terminated, truncated, info
 
-    # --- text (environments.sokoban_render) -----------------------------------------------------
+    # --- text (environments.sokoban.render) -----------------------------------------------------
     @property
     def piece_table(self) -> tuple[str, ...]:
         return self.renderer.piece_table
@@ -239,3 +256,17 @@ class Sokoban(Environment):
 
     def legend(self) -> str:
         return ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
+
+    # --- the system prompt ---------------------------------------------------------------------
+    def instruction_text(self, fmt, board_shape, params=None) -> str:
+        """The task paragraph; the coordinate formats name the board's real range (an 8×8 room reads
+        "(7, 7)"; the original always said "(5, 5)")."""
+        if fmt in ("coord", "grid_coord"):
+            return COORD_INSTRUCTION.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
+        return INSTRUCTION
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.sokoban import expert
+
+        return expert.plan(self, state, params)

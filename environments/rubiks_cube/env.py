@@ -98,6 +98,7 @@ class RubiksCube(Environment):
     observation_formats = ("text",)
     observation_format = "text"
     list_actions = True
+
     instruction = (
         "You are solving a 2x2 Rubik's cube (pocket cube): turn its faces until every face shows a single "
         "colour. Moves use Singmaster notation: U (up), D (down), L (left), R (right), F (front), B (back) "
@@ -197,3 +198,9 @@ class RubiksCube(Environment):
         else:
             lines += ["", "=== Game Over: " + ("Cube Solved!" if over == 1 else "Max steps reached.") + " ==="]
         return "\n".join(lines)
+
+    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    def expert(self, state, params):
+        from environments.rubiks_cube import expert
+
+        return expert.plan(self, state, params)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from environments import sudoku as sd
+EXPECTED = "Expected format: 'place 5 at row 2 col 3' or '2,3,5'"
+RULE = "=" * 50
+LEGEND = "Legend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty"
+# Feedback kinds (``SudokuState.feedback``) and action kinds (``action["kind"]``).
+NONE, PARSE_ERROR, ROW_RANGE, COL_RANGE, NUM_RANGE, GIVEN, CONFLICT, CORRECT, LEGAL = range(9)
 
 
 def conflict_cells(grid: np.ndarray) -> set[tuple[int, int]]:
@@ -71,16 +75,16 @@ def feedback(state, n: int) -> str:
     k = int(round(n ** 0.5))
     grid = np.asarray(state.grid)
     cell = f"({r + 1},{c + 1})"
-    if fb == sd.NONE:
+    if fb == NONE:
         return ""
-    if fb == sd.PARSE_ERROR:
-        return "❌ Invalid action format: Could not parse action. " + sd.EXPECTED
-    if fb in (sd.ROW_RANGE, sd.COL_RANGE, sd.NUM_RANGE):
-        what, value = {sd.ROW_RANGE: ("Row", r), sd.COL_RANGE: ("Column", c), sd.NUM_RANGE: ("Number", v)}[fb]
+    if fb == PARSE_ERROR:
+        return "❌ Invalid action format: Could not parse action. " + EXPECTED
+    if fb in (ROW_RANGE, COL_RANGE, NUM_RANGE):
+        what, value = {ROW_RANGE: ("Row", r), COL_RANGE: ("Column", c), NUM_RANGE: ("Number", v)}[fb]
         return f"❌ Invalid action format: {what} {value} is out of range (1-{n})"
-    if fb == sd.GIVEN:
+    if fb == GIVEN:
         return f"❌ Cannot modify initial cell at {cell}"
-    if fb == sd.CONFLICT:
+    if fb == CONFLICT:
         clash = np.asarray(state.clash)
         parts = ([f"row {r + 1}"] if clash[0] else []) + ([f"column {c + 1}"] if clash[1] else []) + \
                 ([f"box ({r // k + 1},{c // k + 1})"] if clash[2] else [])
@@ -89,7 +93,7 @@ def feedback(state, n: int) -> str:
         if valid:
             text += f"\n   Valid numbers for {cell}: {valid}"
         return text
-    text = f"✓ Correct! Placed {v} at {cell}" if fb == sd.CORRECT else f"⚠ Placed {v} at {cell} - Valid but not optimal"
+    text = f"✓ Correct! Placed {v} at {cell}" if fb == CORRECT else f"⚠ Placed {v} at {cell} - Valid but not optimal"
     if np.all(grid > 0) and not conflict_cells(grid):
         text += "\n🎉 Congratulations! Puzzle solved!"
     return text
@@ -99,7 +103,7 @@ def render(state, fmt: str, n: int, show_conflicts: bool, show_valid_numbers: bo
     grid, initial = np.asarray(state.grid), np.asarray(state.initial)
     if fmt == "simple":
         return grid_simple(grid)
-    out = [sd.RULE, "SUDOKU PUZZLE", sd.RULE, grid_marked(grid, initial), "", sd.LEGEND]
+    out = [RULE, "SUDOKU PUZZLE", RULE, grid_marked(grid, initial), "", LEGEND]
     last = feedback(state, n)
     if last:
         out += ["", last]
