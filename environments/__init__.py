@@ -12,7 +12,8 @@ import importlib
 
 from environments.core import OBSERVATION_FORMATS, Environment, EnvParams, EnvState
 
-# name -> "module:Class"; imported lazily so one env's import cost is not paid by the others.
+# name -> "module:Class" (or the class itself, see ``register``); imported lazily so one env's
+# import cost is not paid by the others.
 REGISTRY = {
     "sokoban": "environments.sokoban.env:Sokoban",
     "frozen_lake": "environments.frozen_lake.env:FrozenLake",
@@ -67,11 +68,26 @@ def resolve(name: str) -> tuple[str, dict]:
                      f"tags: {sorted(TAGS)}")
 
 
+def register(name: str, target, *, host: bool = False) -> None:
+    """Add an environment under ``name``: its class, or ``"module:Class"`` (imported when first used).
+
+    An on-device environment subclasses ``environments.core.Environment``; ``host=True`` registers a
+    Python text environment (``reset(seed) -> str``, ``step(text) -> (str, reward, done, info)``).
+    After this, ``--config.env.name=NAME`` trains it like the built-in ones.
+    """
+    if name in TAGS:
+        raise ValueError(f"{name!r} is one of the original's tag names; register the environment under another name")
+    (HOST_REGISTRY if host else REGISTRY)[name] = target
+    (REGISTRY if host else HOST_REGISTRY).pop(name, None)
+
+
 def env_class(name: str):
     """The class registered under ``name`` (on device or host; a tag resolves to its environment)."""
     base, _ = resolve(name)
-    path = REGISTRY.get(base) or HOST_REGISTRY[base]
-    module, cls = path.split(":")
+    target = REGISTRY.get(base) or HOST_REGISTRY[base]
+    if not isinstance(target, str):
+        return target
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -110,4 +126,4 @@ def make_with_params(name: str, **kwargs):
 
 
 __all__ = ["Environment", "EnvParams", "EnvState", "HOST_REGISTRY", "OBSERVATION_FORMATS", "REGISTRY", "TAGS",
-           "env_class", "is_host", "make", "make_with_params", "resolve"]
+           "env_class", "is_host", "make", "make_with_params", "register", "resolve"]
