@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
-from ragen_jax.training import trainer, warmup  # noqa: E402
+from ragen_jax.training import run as run_lib, warmup  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main():
     args = ap.parse_args()
 
     spec = resolve(frozen_lake.get_config())
-    run = trainer.setup(spec)
+    run = run_lib.setup(spec)
     params = run.train_state.params
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.0))
     opt_state = tx.init(params)

@@ -14,7 +14,7 @@ Usage (from the repository root):
   python benchmarks/envs.py            # full run, writes benchmarks/results_envs.md
   python benchmarks/envs.py --quick    # batches 1, 64, 1024 and short timings
   python benchmarks/envs.py --md /tmp/out.md --batches 1024
-  python benchmarks/envs.py --suite    # 2048 / Sudoku vs jumanji and pgx, cube, Countdown (env_suite.py)
+  python benchmarks/env_suite.py       # the suite: 2048 / Sudoku vs jumanji and pgx, cube, Countdown
 
 The machine may be shared: every row of the peer table notes the CPU other processes used
 (``bg=``); only ratios within one invocation are meaningful.
@@ -129,16 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=1500.0, help="seconds per JAX case")
     ap.add_argument("--md", default=os.path.join(REPO, "benchmarks", "results_envs.md"),
                     help="markdown report path ('' to skip)")
-    ap.add_argument("--suite", action="store_true",
-                    help="the environment suite instead (2048, Sudoku, cube, Countdown vs jumanji and pgx): "
-                         "benchmarks/env_suite.py")
-    args, rest = ap.parse_known_args(argv)
-    if args.suite:
-        import env_suite
-
-        return env_suite.main(rest + ([] if args.md == ap.get_default("md") else ["--md", args.md]))
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    args = ap.parse_args(argv)
     peers = _import_peers()
 
     batches = ([int(b) for b in args.batches.split(",")] if args.batches

@@ -61,7 +61,7 @@ def build(shape: str, max_new_tokens: int | None):
     from ragen_jax.rollout.agent import make_rollout
     from ragen_jax.starpo.update import init_train_state, make_update_step
     from ragen_jax.training.build import build_env, load_tiny_tokenizer
-    from ragen_jax.training.trainer import make_placement
+    from ragen_jax.training.run import make_placement
 
     arch, (groups, size), new_tokens, seq_len = SHAPES[shape]
     c = frozen_lake.get_config()

@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
-from ragen_jax.training import trainer, warmup  # noqa: E402
+from ragen_jax.starpo.train_state import frozen_base, policy_params  # noqa: E402
+from ragen_jax.training import run as run_lib, warmup  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 
 
@@ -55,9 +56,9 @@ def load_config(path: str):
 
 def measure(cfg, repeats: int, key) -> dict:
     spec = resolve(cfg)
-    run = trainer.setup(spec)
+    run = run_lib.setup(spec)
     state = run.train_state
-    params = trainer._policy_params(state)
+    params = policy_params(state)
     rollout_s = best_of(lambda: run.rollout(params, key), repeats)
     traj = run.rollout(params, key)
     update = make_update_step(run.graphdefs, spec.starpo, spec.filter, spec.collapse,
@@ -67,7 +68,7 @@ def measure(cfg, repeats: int, key) -> dict:
     update_s = best_of(lambda: update(state, traj), repeats)
     tx = optax.adamw(1e-4)
     opt_state = tx.init(state.params)
-    frozen = state.rest[0] if trainer._is_lora(state) else None
+    frozen = frozen_base(state)
     prefix = warmup.shared_prefix_length(np.asarray(traj.tokens), np.asarray(traj.loss_mask & traj.valid_mask))
     bc = warmup.make_bc_step(run.graphdefs.policy, tx, prefix)
     extra = {} if frozen is None else {"frozen": frozen}

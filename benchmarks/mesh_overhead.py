@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from configs import frozen_lake  # noqa: E402
 from ragen_jax.rollout.agent import make_rollout  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
-from ragen_jax.training import trainer  # noqa: E402
+from ragen_jax.training import run as run_lib  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main():
     args = ap.parse_args()
 
     spec = resolve(frozen_lake.get_config())
-    run = trainer.setup(spec)  # the trainer's build: the one-device mesh
+    run = run_lib.setup(spec)  # the trainer's build: the one-device mesh
     plain_rollout = make_rollout(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout)
     def updates(filt):
         kw = dict(group_size=spec.rollout.group_size, shared_prefix_len=len(plain_rollout.codec.preamble_ids),

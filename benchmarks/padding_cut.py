@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 from benchmarks.lora_update import best_of, load_config  # noqa: E402
 from ragen_jax.rollout.trajectory import trim  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
-from ragen_jax.training import trainer  # noqa: E402
+from ragen_jax.starpo.train_state import policy_params  # noqa: E402
+from ragen_jax.training import run as run_lib, trainer  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 from ragen_jax.training.metrics import rollout_metrics  # noqa: E402
 
@@ -61,9 +62,9 @@ def main():
     cfg.warmup.steps = cfg.warmup.single_turn_steps = 0
     cfg.starpo.seq_len_multiple = 0
     spec = resolve(cfg)
-    run = trainer.setup(spec)
+    run = run_lib.setup(spec)
     state = run.train_state
-    traj = with_random_rewards(run.rollout(trainer._policy_params(state), jax.random.key(0)))
+    traj = with_random_rewards(run.rollout(policy_params(state), jax.random.key(0)))
     stats = {k: float(v) for k, v in rollout_metrics(traj, spec.rollout.group_size).items()}
     longest = int(stats["sequence_length_max"])
     per_turn = run.rollout.per_turn_rows

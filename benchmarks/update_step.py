@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 from configs import frozen_lake  # noqa: E402
 from ragen_jax.starpo.config import FilterConfig  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
-from ragen_jax.training import trainer  # noqa: E402
+from ragen_jax.training import run as run_lib  # noqa: E402
 from ragen_jax.training.configuration import resolve  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main():
     args = ap.parse_args()
 
     spec = resolve(frozen_lake.get_config())
-    run = trainer.setup(spec)
+    run = run_lib.setup(spec)
     state = run.train_state
     traj = run.rollout(state.params, jax.random.key(0))
     prompt = len(run.rollout.codec.preamble_ids)

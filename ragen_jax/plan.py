@@ -133,7 +133,7 @@ def plan(spec, placement=None, *, keep_programs: bool = False):
 
     from ragen_jax.models.kv_cache import init_cache
     from ragen_jax.models.sharding import cache_shardings
-    from ragen_jax.training.trainer import make_placement
+    from ragen_jax.training.run import make_placement
 
     placement = placement or make_placement(spec)
     programs = _Programs(spec, placement)
@@ -174,7 +174,7 @@ def measure(spec, placement=None, compiled=None) -> dict[str, float | None]:
     keeps no statistics (XLA's CPU client). ``compiled``: ``plan(..., keep_programs=True)``'s."""
     import jax
 
-    from ragen_jax.training.trainer import make_placement
+    from ragen_jax.training.run import make_placement
 
     if compiled is None:
         placement = placement or make_placement(spec)

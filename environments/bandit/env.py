@@ -27,6 +27,7 @@ import numpy as np
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
+from environments.bandit import expert as bandit_expert
 
 # (low-risk, high-risk) arm names per split; the splits share no name.
 ARM_PAIRS = {
@@ -185,11 +186,9 @@ class Bandit(Environment):
         """The bandit prompt has no symbols to explain."""
         return ""
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.bandit import expert
-
-        return expert.plan(self, state, params)
+        return bandit_expert.plan(self, state, params)
 
     def random_answer(self, state, rng) -> str:
         """One of the two arms shown (every other name is an invalid action)."""

@@ -35,6 +35,7 @@ import numpy as np
 from environments import render
 from environments import text_match as tm
 from environments.core import EnvParams, EnvState, Environment
+from environments.countdown import expert as countdown_expert
 from environments.hashing import expand_words
 
 # Token kinds.
@@ -355,11 +356,9 @@ class Countdown(Environment):
     def answer_text(self, expression: str) -> str:
         return expression
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.countdown import expert
-
-        return expert.plan(self, state, params)
+        return countdown_expert.plan(self, state, params)
 
     def random_answer(self, state, rng) -> str:
         """The numbers in a random order joined by random operators."""

@@ -37,6 +37,7 @@ import numpy as np
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
+from environments.frozen_lake import expert as frozen_lake_expert
 from environments.hashing import expand_words
 
 PLAYER, FROZEN, HOLE, GOAL, PLAYER_IN_HOLE, PLAYER_ON_GOAL = range(6)
@@ -525,8 +526,6 @@ class FrozenLake(Environment):
             text = INSTRUCTION
         return text if self.slips(params) else text.replace(" " + SLIPPERY, "")
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.frozen_lake import expert
-
-        return expert.plan(self, state, params)
+        return frozen_lake_expert.plan(self, state, params)

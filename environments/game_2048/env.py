@@ -29,8 +29,9 @@ import numpy as np
 
 from environments import render
 from environments.core import EnvParams, EnvState, Environment
+from environments.game_2048 import expert as game_2048_expert
+from environments.game_2048.rules import SIZE, merge_line
 
-SIZE = 4
 MAX_EXPONENT = 17  # 2**17 = 131072, the largest tile a 4x4 board can hold
 ACTION_NAMES = ("Up", "Right", "Down", "Left")
 GOAL_LINE = "Goal: Merge same numbers to reach 2048."
@@ -47,21 +48,6 @@ class Game2048Params(EnvParams):
     two_prob: chex.Array           # float32 [] probability that a spawned tile is a 2
     invalid_act_score: chex.Array  # float32 [] reward of a move that changes nothing
     use_log_reward: chex.Array     # bool [] 0.1 * log2(merge + 1) instead of the merge sum
-
-
-def merge_line(line) -> tuple[list[int], int]:
-    """Slide one line of exponents towards index 0 and merge equal neighbours once (host)."""
-    tiles = [int(v) for v in line if v]
-    out, gained, i = [], 0, 0
-    while i < len(tiles):
-        if i + 1 < len(tiles) and tiles[i] == tiles[i + 1]:
-            out.append(tiles[i] + 1)
-            gained += 2 ** (tiles[i] + 1)
-            i += 2
-        else:
-            out.append(tiles[i])
-            i += 1
-    return out + [0] * (SIZE - len(out)), gained
 
 
 def _line_table() -> tuple[np.ndarray, np.ndarray]:
@@ -271,8 +257,6 @@ class Game2048(Environment):
                   f"Current Score: {int(np.asarray(state.score))}", "What is your next move?"]
         return "\n".join(lines)
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.game_2048 import expert
-
-        return expert.plan(self, state, params)
+        return game_2048_expert.plan(self, state, params)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from environments.core import Plan
-from environments.game_2048.env import merge_line
+from environments.game_2048.rules import merge_line
 
 
 

@@ -4,12 +4,11 @@ warm-up's plan. Action indices are the env's: 0 U, 1 U', ... 11 B'.
 from __future__ import annotations
 
 import functools
-from collections import deque
 
 import numpy as np
 
 from environments.core import Plan, backtrack
-from environments.rubiks_cube.env import SOLVED, move_table
+from environments.rubiks_cube.cube import SOLVED, move_table
 
 
 

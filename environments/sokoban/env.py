@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from environments.core import EnvParams, EnvState, Environment
+from environments.sokoban import expert as sokoban_expert
 from environments.sokoban.levels import (BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, PLAYER_ON_TARGET, TARGET, WALL,
                                          Level, LevelGenerator, fallback_room)
 from environments.sokoban.render import CODE_MEANINGS, DEFAULT_GRID_LOOKUP, SokobanRenderer, check_lookup
@@ -265,8 +266,6 @@ class Sokoban(Environment):
             return COORD_INSTRUCTION.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
         return INSTRUCTION
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.sokoban import expert
-
-        return expert.plan(self, state, params)
+        return sokoban_expert.plan(self, state, params)

@@ -43,6 +43,7 @@ import numpy as np
 from environments import render
 from environments import text_match as tm
 from environments.core import EnvParams, EnvState, Environment
+from environments.sudoku import expert as sudoku_expert
 from environments.sudoku import text as sudoku_text
 from environments.sudoku.text import (CONFLICT, CORRECT, EXPECTED, GIVEN, LEGAL, LEGEND, NONE, NUM_RANGE, PARSE_ERROR,  # noqa: F401
                                       ROW_RANGE, RULE, COL_RANGE)
@@ -482,11 +483,9 @@ class Sudoku(Environment):
         return sudoku_text.render(jax.tree.map(np.asarray, state), fmt, self.n, self.show_conflicts,
                                   self.show_valid_numbers)
 
-    # --- the warm-up's expert (NumPy search, loaded only when the warm-up asks) ------------------
+    # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
-        from environments.sudoku import expert
-
-        return expert.plan(self, state, params)
+        return sudoku_expert.plan(self, state, params)
 
     def random_answer(self, state, rng) -> str:
         """A random placement, in the env's own answer form."""

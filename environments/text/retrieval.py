@@ -113,14 +113,3 @@ def format_results(results: list[dict], max_results: int = 5, max_total_chars: i
         parts.append(f"[Document {i}] (ID: {r.get('id', f'doc_{i}')}, Score: {float(r.get('score', 0.0)):.3f})\n{content}")
     out = "\n\n".join(parts)
     return out[:max_total_chars] + "..." if len(out) > max_total_chars else out
-
-
-def main(argv=None):
-    """``python -m environments.text.retrieval`` still starts the server (``retrieval_server``)."""
-    from environments.text import retrieval_server
-
-    retrieval_server.main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -128,7 +128,8 @@ def run_eval(spec) -> dict[str, float]:
 def _run_eval(spec) -> dict[str, float]:
     """``run_eval``'s body, under the workdir's lock."""
     from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.training.trainer import _policy_params, setup
+    from ragen_jax.starpo.train_state import policy_params
+    from ragen_jax.training.run import setup
     from ragen_jax.training.workdir import check_eval_workdir
 
     cfg = spec.config
@@ -136,7 +137,7 @@ def _run_eval(spec) -> dict[str, float]:
         print(f"note: {note}")
 
     run = setup(spec)
-    params = _policy_params(run.train_state)
+    params = policy_params(run.train_state)
     ckpt_dir = Path(cfg.workdir) / "checkpoints"
     step = 0
     ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
@@ -169,7 +170,7 @@ def _checkpointed_policy(cfg, run, ckpt, step=None):
     """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
     named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
     from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
-    from ragen_jax.training.trainer import _policy_params, saved_part, with_base
+    from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
     from ragen_jax.training.workdir import explain_mismatch
 
     try:
@@ -186,7 +187,7 @@ def _checkpointed_policy(cfg, run, ckpt, step=None):
             state, _, step = ckpt.restore(saved_part(run.train_state), step)
     except CheckpointMismatch as e:
         raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
-    return _policy_params(with_base(state, run.train_state)), step
+    return policy_params(with_base(state, run.train_state)), step
 
 
 def run_export(spec) -> str:
@@ -195,7 +196,7 @@ def run_export(spec) -> str:
     ``model.path`` — and transformers — load like any other; the tokenizer files are not copied."""
     from ragen_jax.models.lora import export_hf
     from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
-    from ragen_jax.training.trainer import setup
+    from ragen_jax.training.run import setup
 
     cfg = spec.config
     run = setup(spec)

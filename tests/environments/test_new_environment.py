@@ -8,8 +8,6 @@ Fixed seeds (the small FrozenLake test config's), so every run of this file sees
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import chex
 import jax
 import jax.numpy as jnp

@@ -116,13 +116,14 @@ def test_trainer_run_keeps_adapter_only_checkpoints_and_resumes(tmp_path):
     assert len(read_scalars(tmp_path / "run" / "tensorboard")["actor/pg_loss"]) == 3
     # config.mode=export: the merged policy as an HF checkpoint our loader reads back.
     from ragen_jax.training.evaluate import run_export
-    from ragen_jax.training.trainer import _policy_params, saved_part, setup, with_base
+    from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
+    from ragen_jax.training.run import setup
 
     out = run_export(spec)
     _, exported = load_hf(out)
     run = setup(spec)
     state = Checkpointer(tmp_path / "run" / "checkpoints").restore(saved_part(run.train_state))[0]
-    trained = nnx.merge(run.graphdefs.policy, _policy_params(with_base(state, run.train_state)))
+    trained = nnx.merge(run.graphdefs.policy, policy_params(with_base(state, run.train_state)))
     tokens = jnp.asarray([[5, 9, 12, 40, 7]])
     np.testing.assert_allclose(np.asarray(exported(tokens, positions_for(tokens))[0]),
                                np.asarray(trained(tokens, positions_for(tokens))[0]), atol=1e-4)

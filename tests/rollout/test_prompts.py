@@ -2,7 +2,6 @@
 import pytest
 
 import environments
-from ragen_jax.rollout import prompts
 from ragen_jax.rollout.agent import RolloutConfig, build_system_text
 
 SENTENCE = "The ice is slippery: a move may take you in a direction you did not intend."

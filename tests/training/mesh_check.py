@@ -70,7 +70,7 @@ def dump_restored(spec, path: str) -> None:
     from pathlib import Path
 
     from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.training.trainer import setup
+    from ragen_jax.training.run import setup
 
     run = setup(spec)
     ckpt = Checkpointer(Path(spec.config.workdir) / "checkpoints")

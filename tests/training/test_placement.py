@@ -79,7 +79,7 @@ def test_bad_mesh_config_is_refused(mesh, expected):
 
 
 def test_mesh_larger_than_the_devices_names_the_fix():
-    from ragen_jax.training.trainer import make_placement
+    from ragen_jax.training.run import make_placement
 
     cfg = frozen_lake.get_config()
     cfg.mesh.fsdp = 2 * jax.device_count()

@@ -1,0 +1,125 @@
+"""Run assembly: from a resolved ``RunSpec`` to the compiled pieces of a run — the mesh, the model
+and environment, the train state laid out on the mesh, the rollout and the update programs. The
+trainer (``trainer.py``) and the evaluator (``evaluate.py``) both start from ``setup``."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from ragen_jax.training.configuration import RunSpec
+
+
+@dataclasses.dataclass
+class Setup:
+    """The compiled pieces of a run (built once by ``setup``)."""
+
+    tokenizer: Any
+    model_cfg: Any
+    env: Any
+    env_params: Any
+    graphdefs: Any
+    train_state: Any
+    rollout: Any
+    update: Callable
+    placement: Any  # ragen_jax.placement.Placement: the mesh every array lives on
+    state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
+    # update_on_rows(W): the update with limited-context turn rows W wide (built once per W)
+    update_on_rows: Callable[[int], Callable] | None = None
+    # gradient_analysis(train_state, trajectory) -> metrics (trainer.gradient_analysis_every)
+    gradient_analysis: Callable | None = None
+
+
+def make_placement(spec: RunSpec):
+    """The run's mesh (``config.mesh``) over the devices of every process."""
+    from ragen_jax.placement import Placement
+    from ragen_jax.training.configuration import ConfigError
+
+    m = spec.config.mesh
+    try:
+        placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    batch, divisor = spec.rollout.batch_size, placement.batch_divisor
+    if batch % divisor:
+        raise ConfigError(f"rollout.num_groups × rollout.group_size = {batch} trajectories cannot be split over "
+                          f"mesh.data × mesh.fsdp = {divisor} devices; make the batch a multiple of {divisor} "
+                          "or move devices to mesh.tensor")
+    return placement
+
+
+def _check_env_fits_processes(env, placement) -> None:
+    """A host environment (Python in the loop) keeps its episodes in one Python process."""
+    from ragen_jax.rollout.host_env import HostEnv
+    from ragen_jax.training.configuration import ConfigError
+
+    if isinstance(env, HostEnv) and placement.num_processes > 1:
+        raise ConfigError(f"{type(env).__name__} is a host environment: its episodes live in one Python process, "
+                          f"and this run has {placement.num_processes}. Run it in one process (without "
+                          "--distributed; several local devices are fine), or use an on-device environment")
+
+
+def setup(spec: RunSpec, placement=None) -> Setup:
+    """Model, env, train state (policy, optional critic), rollout and update step for ``spec``,
+    laid out on ``placement`` (default: the mesh of ``config.mesh``)."""
+    from ragen_jax.models import Critic, ValueHead
+    from ragen_jax.rollout.agent import make_rollout
+    from ragen_jax.starpo.update import init_train_state, make_update_step
+    from ragen_jax.training.build import build_env, build_model
+
+    cfg = spec.config
+    placement = placement or make_placement(spec)
+    tokenizer, model_cfg, model = build_model(spec, placement)
+    env, env_params = build_env(spec, tokenizer)
+    _check_env_fits_processes(env, placement)
+    mode = spec.starpo.critic_mode
+    critic = None
+    # The critic is a plain model (fully trained) even when the policy carries LoRA adapters.
+    critic_cfg = model_cfg.replace(lora_rank=0)
+    if mode == "shared":
+        critic = ValueHead(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+    elif mode == "separate" and spec.preset == "tiny":
+        critic = Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+    elif mode == "separate":
+        from ragen_jax.models.lora import merge_lora
+
+        # Created in its shards, then started from the same pretrained checkpoint as the policy (spec §5.5).
+        critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2)))
+        critic.init_trunk_from(merge_lora(model))
+    # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
+    graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
+    for params in (train_state.params, train_state.critic_params):  # a parameter no rule places is an error
+        placement.state_shardings(params, strict=True)
+    state_shardings = placement.state_shardings(train_state)
+    train_state = placement.put(train_state, state_shardings)
+    try:
+        rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
+    except ValueError as e:  # a context too short for this tokenizer's prompt: the config's to fix
+        from ragen_jax.training.configuration import ConfigError
+
+        raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
+    # Every rollout row opens with the same system prompt: the update runs it once per batch.
+    # Limited context: log-probs are recomputed per turn, on the window each reply was sampled in.
+    def update_on_rows(width: int | None):
+        per_turn = rollout.per_turn_rows
+        if per_turn is not None and width is not None:
+            per_turn = (per_turn[0], width)
+        return make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
+                                group_size=spec.rollout.group_size,
+                                shared_prefix_len=len(rollout.codec.preamble_ids),
+                                per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings)
+
+    analysis = None
+    if cfg.trainer.gradient_analysis_every:
+        from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
+
+        analysis = make_gradient_analysis(graphdefs, spec.starpo, spec.filter, group_size=spec.rollout.group_size,
+                                          bucketing=cfg.trainer.gradient_analysis_buckets,
+                                          num_buckets=cfg.trainer.gradient_analysis_num_buckets,
+                                          shared_prefix_len=len(rollout.codec.preamble_ids),
+                                          per_turn_rows=rollout.per_turn_rows, placement=placement)
+    return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),
+                 placement, state_shardings, functools.lru_cache(maxsize=None)(update_on_rows), analysis)
