@@ -175,11 +175,37 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
             trim_records(transcripts, start_step if resume else -1)
         trim_events(workdir / "tensorboard", start_step if resume else -1)
     logger = Logger(workdir / "tensorboard", enabled=main)
-    if not resume:
-        train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
-        ckpt.save(0, saved_part(train_state), host.meta(0))
+    try:
+        if not resume:
+            train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
+            ckpt.save(0, saved_part(train_state), host.meta(0))
+        step, stop_reason = _run_steps(spec, run, train_state, host, start_step, evaluator, logger, ckpt,
+                                       transcripts, clock, step_callback)
+    except BaseException:
+        _close_after_failure(logger, ckpt)
+        raise
+    logger.close()
+    ckpt.close()
+    return _finish(spec, host, step, stop_reason, clock, write=main)
 
-    steps, bar = _steps(spec, start_step, show=main)
+
+def _close_after_failure(logger: Logger, ckpt: Checkpointer) -> None:
+    """Close the run's writers when it fails, so their background threads end now rather than in
+    the interpreter's shutdown (where Python 3.12 prints their errors after the command's own
+    report). A failure while closing is secondary to the one being raised: it is dropped."""
+    for close in (logger.close, ckpt.close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the original error is the one the user needs
+            pass
+
+
+def _run_steps(spec: RunSpec, run: Setup, train_state, host: "HostState", start_step: int, evaluator,
+               logger: Logger, ckpt: Checkpointer, transcripts, clock, step_callback) -> tuple[int, str | None]:
+    """The StarPO steps from ``start_step``: rollout → update → log → validate → checkpoint.
+    -> ``(last step, stop reason or None)``."""
+    cfg, t = spec.config, spec.config.trainer
+    steps, bar = _steps(spec, start_step, show=run.placement.is_main)
     base_key = jax.random.key(cfg.seed)
     step, stop_reason = start_step, None
     for step in steps:
@@ -213,9 +239,7 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
             break
     if bar is not None:
         bar.close()
-    logger.close()
-    ckpt.close()
-    return _finish(spec, host, step, stop_reason, clock, write=main)
+    return step, stop_reason
 
 
 def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0,
