@@ -153,19 +153,7 @@ class ModelConfig:
         `overrides` set our knobs (dtype, param_dtype, scan_layers, remat) or any other field.
         Unsupported architectures and features raise a ValueError naming the config key.
         """
-        if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no HF config at {path!r}; pass a config.json path, its "
-                                        "directory, or a dict.")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ModelFileError(f"{path} is not valid JSON ({e}); copy the model's config.json again") from None
-        c = dict(config)
+        c = dict(config) if isinstance(config, Mapping) else _read_hf_config(config)
 
         model_type = c.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -185,21 +173,7 @@ class ModelConfig:
         if c.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"config key 'pretraining_tp'={c['pretraining_tp']} is not supported; only 1.")
 
-        # transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...}; older files have a
-        # top-level `rope_theta` and an optional `rope_scaling` dict (with `type` or `rope_type`).
-        rope = dict(c.get("rope_parameters") or {})
-        rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
-        legacy = dict(c.get("rope_scaling") or {})
-        if legacy:
-            rope.update(legacy)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope.pop("type", None)
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"config key 'rope_scaling' (rope_type={rope_type!r}) is not implemented; "
-                             f"supported: {SUPPORTED_ROPE_TYPES}.")
-        rope_scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
+        rope_theta, rope_scaling = _rope(c)
 
         num_heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
@@ -233,3 +207,37 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig field(s) {unknown}; allowed: {sorted(allowed)}.")
         fields.update(overrides)
         return cls(**fields)
+
+
+def _read_hf_config(config: str | os.PathLike) -> dict:
+    """An HF ``config.json`` from its path or its model directory."""
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no HF config at {path!r}; pass a config.json path, its "
+                                "directory, or a dict.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path} is not valid JSON ({e}); copy the model's config.json again") from None
+
+
+def _rope(c: Mapping[str, Any]) -> tuple[float, tuple | None]:
+    """``(rope_theta, rope_scaling)`` of an HF config: transformers 5 writes `rope_parameters`
+    {rope_type, rope_theta, ...}; older files have a top-level `rope_theta` and an optional
+    `rope_scaling` dict (with `type` or `rope_type`)."""
+    rope = dict(c.get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    legacy = dict(c.get("rope_scaling") or {})
+    if legacy:
+        rope.update(legacy)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.pop("type", None)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"config key 'rope_scaling' (rope_type={rope_type!r}) is not implemented; "
+                         f"supported: {SUPPORTED_ROPE_TYPES}.")
+    return rope_theta, None if rope_type == "default" else tuple(sorted(rope.items()))

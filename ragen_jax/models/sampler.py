@@ -391,6 +391,30 @@ class _LoopState:
     window: Array  # int32 [B, Ls]
 
 
+def _checked_inputs(last_logits, start, active, keys, stop_ids, stop_sequences, max_new_tokens):
+    """``generate``'s arrays in their dtypes and shapes, or a ValueError naming the bad one; the
+    stop sequences come right-aligned with their lengths (``_right_align``)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a static Python int >= 1; got {max_new_tokens!r}")
+    last_logits = jnp.asarray(last_logits, jnp.float32)
+    if last_logits.ndim != 2:
+        raise ValueError(f"last_logits must be float32 [B, V]; got shape {last_logits.shape}")
+    batch = last_logits.shape[0]
+    start = jnp.asarray(start, jnp.int32)
+    active = jnp.asarray(active, bool)
+    _check_batch("start", start, batch)
+    _check_batch("active", active, batch)
+    if keys.shape[0] != batch:
+        raise ValueError(f"keys must hold one PRNG key per row ([B={batch}]); got shape {keys.shape}")
+    stop_ids = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
+    stop_sequences = jnp.asarray(stop_sequences, jnp.int32)
+    if stop_sequences.ndim != 2:
+        raise ValueError(
+            f"stop_sequences must be int32 [M, Ls] padded with -1 (use shape [0, 0] for none); got {stop_sequences.shape}"
+        )
+    return last_logits, start, active, stop_ids, _right_align(stop_sequences)
+
+
 def generate(
     model,
     cache,
@@ -427,25 +451,9 @@ def generate(
       ``GenerateOutput``. The stop token (or the stop sequence's tokens) is part of the output and
       of the cache. ``keys`` are advanced; the same keys give the same tokens.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a static Python int >= 1; got {max_new_tokens!r}")
-    last_logits = jnp.asarray(last_logits, jnp.float32)
-    if last_logits.ndim != 2:
-        raise ValueError(f"last_logits must be float32 [B, V]; got shape {last_logits.shape}")
+    last_logits, start, active, stop_ids, (aligned, seq_lengths) = _checked_inputs(
+        last_logits, start, active, keys, stop_ids, stop_sequences, max_new_tokens)
     batch = last_logits.shape[0]
-    start = jnp.asarray(start, jnp.int32)
-    active = jnp.asarray(active, bool)
-    _check_batch("start", start, batch)
-    _check_batch("active", active, batch)
-    if keys.shape[0] != batch:
-        raise ValueError(f"keys must hold one PRNG key per row ([B={batch}]); got shape {keys.shape}")
-    stop_ids = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
-    stop_sequences = jnp.asarray(stop_sequences, jnp.int32)
-    if stop_sequences.ndim != 2:
-        raise ValueError(
-            f"stop_sequences must be int32 [M, Ls] padded with -1 (use shape [0, 0] for none); got {stop_sequences.shape}"
-        )
-    aligned, seq_lengths = _right_align(stop_sequences)
 
     graphdef, params = _split_model(model)
     # The policy the StarPO ratio compares against samples at this temperature (verl's convention:
