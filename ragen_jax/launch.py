@@ -257,13 +257,27 @@ def user_errors():
 
         if _is_disk_full(e):
             workdir = (_CONFIG.value or {}).get("workdir", "the workdir")
-            print(f"Disk full: {e}. Free space under {workdir} and run the same command again: it resumes from "
-                  "the last intact checkpoint", file=sys.stderr)
-            sys.exit(2)
+            _exit_now(2, f"Disk full: {e}. Free space under {workdir} and run the same command again: it resumes "
+                         "from the last intact checkpoint")
         if not FAILURES:
             raise
-        print(f"Environment error: {FAILURES[-1]}", file=sys.stderr)
-        sys.exit(2)
+        _exit_now(2, f"Environment error: {FAILURES[-1]}")
+
+
+def _exit_now(status: int, report: str) -> None:
+    """End a run that failed mid-way at once with ``report`` as the last line on stderr: background
+    writers (orbax's threads around a failed asynchronous save) are silenced and abandoned rather
+    than left to print their errors after it. Nothing is lost: finished checkpoints are committed
+    atomically, and the TensorBoard writer was closed when the run failed
+    (``trainer._close_after_failure``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    err = os.dup(2)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    sys.stderr = open(os.devnull, "w")  # Python-level writes of other threads
+    os.dup2(quiet, 2)  # and native ones (tensorstore, absl)
+    os.write(err, (report + "\n").encode("utf-8", "replace"))
+    os._exit(status)
 
 
 def _is_disk_full(e: BaseException | None) -> bool:

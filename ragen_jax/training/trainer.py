@@ -28,7 +28,7 @@ from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
 from ragen_jax.training.configuration import RunSpec
-from ragen_jax.training.logging import Logger, quadrant_figure, to_host_scalars, trim_events
+from ragen_jax.training.event_log import Logger, quadrant_figure, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.run import Setup, make_placement, setup
 
@@ -190,14 +190,16 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
 
 
 def _close_after_failure(logger: Logger, ckpt: Checkpointer) -> None:
-    """Close the run's writers when it fails, so their background threads end now rather than in
-    the interpreter's shutdown (where Python 3.12 prints their errors after the command's own
-    report). A failure while closing is secondary to the one being raised: it is dropped."""
-    for close in (logger.close, ckpt.close):
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - the original error is the one the user needs
-            pass
+    """Close the TensorBoard writer when the run fails, so what was logged is on disk and its
+    thread ends now rather than at the interpreter's shutdown (where Python 3.12 prints its error
+    after the command's own report). The checkpointer is left as it is: every finished checkpoint
+    is already committed, and closing it after a failed save only wakes orbax's threads. A failure
+    while closing is secondary to the one being raised: it is dropped."""
+    del ckpt
+    try:
+        logger.close()
+    except Exception:  # noqa: BLE001 - the original error is the one the user needs
+        pass
 
 
 def _run_steps(spec: RunSpec, run: Setup, train_state, host: "HostState", start_step: int, evaluator,

@@ -98,7 +98,7 @@ def test_starpo_update_moves_only_the_adapters_and_the_base_is_the_reference():
 
 def test_trainer_run_keeps_adapter_only_checkpoints_and_resumes(tmp_path):
     from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.event_log import read_scalars
     from ragen_jax.training.trainer import train
     from tests.training.test_trainer import small_config
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ragen_jax.training.checkpoint import Checkpointer
-from ragen_jax.training.logging import Logger, quadrant_figure, read_events, to_host_scalars
+from ragen_jax.training.event_log import Logger, quadrant_figure, read_events, to_host_scalars
 
 
 def _state(seed):
@@ -99,7 +99,7 @@ def test_quadrant_lines_follow_the_configured_regime_ratios():
     """The dashed lines are the thresholds ``classify_regime`` uses: ratio × baseline."""
     from unittest import mock
 
-    from ragen_jax.training.logging import quadrant_lines
+    from ragen_jax.training.event_log import quadrant_lines
 
     assert quadrant_lines((0.8, 2.0), 0.3, 0.7) == pytest.approx((0.24, 1.4))
     import matplotlib.axes
@@ -111,7 +111,7 @@ def test_quadrant_lines_follow_the_configured_regime_ratios():
 
 
 def test_a_deleted_events_file_is_noticed_and_a_new_one_takes_the_rest(tmp_path, capsys):
-    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.event_log import read_scalars
 
     log = Logger(tmp_path / "tb")
     log.scalars(1, {"train/x": 1.0})
@@ -138,7 +138,7 @@ def _events_with_a_killed_tail(log_dir):
 
 
 def test_trim_events_keeps_one_value_per_step_for_a_resumed_run(tmp_path):
-    from ragen_jax.training.logging import read_events, read_scalars, trim_events
+    from ragen_jax.training.event_log import read_events, read_scalars, trim_events
 
     tb = tmp_path / "tb"
     _events_with_a_killed_tail(tb)
@@ -156,7 +156,7 @@ def test_trim_events_keeps_one_value_per_step_for_a_resumed_run(tmp_path):
 
 
 def test_trim_events_moves_a_dead_first_attempts_events_aside(tmp_path):
-    from ragen_jax.training.logging import read_scalars, trim_events
+    from ragen_jax.training.event_log import read_scalars, trim_events
 
     tb = tmp_path / "tb"
     _events_with_a_killed_tail(tb)
@@ -170,7 +170,7 @@ def test_a_run_killed_after_logging_a_step_resumes_with_one_value_per_step(tmp_p
     """The trainer trims at start-up: a run stopped at step 2 (checkpointed) whose later step 3 was
     logged but not saved (as a kill between the two leaves it) resumes to step 3 with one value of
     every series at every step."""
-    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.event_log import read_scalars
     from ragen_jax.training.trainer import StopTraining, train
     from tests.training.test_trainer import small_config
 

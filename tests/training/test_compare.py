@@ -132,7 +132,7 @@ def _base_config():
 
 def test_comparison_shares_one_warmup_and_resumes(tmp_path, monkeypatch):
     from ragen_jax.training import trainer, warmup
-    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.event_log import read_scalars
 
     calls = []
     real = warmup.run_warmup

@@ -62,7 +62,7 @@ def small_disk(tmp_path):
 FILL_AND_LOG = """
 import sys
 from pathlib import Path
-from ragen_jax.training.logging import Logger, LoggingError
+from ragen_jax.training.event_log import Logger, LoggingError
 disk = Path(sys.argv[1])
 (disk / "filler").write_bytes(b"x" * (1500 * 1024 - 64 * 1024))
 log = Logger(disk / "tb")

@@ -35,7 +35,7 @@ def test_quickstart_notebook_runs(tmp_path):
 
 
 def test_diagnose_collapse_notebook_runs(tmp_path):
-    from ragen_jax.training.logging import read_scalars
+    from ragen_jax.training.event_log import read_scalars
 
     outputs = _execute("diagnose_collapse.ipynb", tmp_path / "run")
     # The MI proxy ran at each of the 3 steps; it has a reading where at least two prompts had a

@@ -12,7 +12,7 @@ import pytest
 
 from configs import frozen_lake
 from ragen_jax.training.configuration import resolve
-from ragen_jax.training.logging import read_events, read_scalars
+from ragen_jax.training.event_log import read_events, read_scalars
 
 
 def small_config(workdir, total_steps, **over):
