@@ -52,20 +52,19 @@ def missing_requirements() -> list[str]:
     """``setup.py``'s install_requires that are not installed (by distribution name)."""
     from importlib import metadata
 
+    from packaging.requirements import Requirement
+
     tree = ast.parse((ROOT / "setup.py").read_text())
     requires: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == "install_requires":
             requires = [ast.literal_eval(e) for e in node.value.elts]
     missing = []
-    for req in requires:
-        name = req.split(";")[0].split("[")[0]
-        for sep in ("<", ">", "=", "!", "~"):
-            name = name.split(sep)[0]
+    for name in (Requirement(req).name for req in requires):
         try:
-            metadata.version(name.strip())
+            metadata.version(name)
         except metadata.PackageNotFoundError:
-            missing.append(name.strip())
+            missing.append(name)
     return missing
 
 

@@ -142,7 +142,8 @@ class AgentFacing:
     # --- the warm-up's expert -------------------------------------------------------------
     def expert(self, state, params) -> Plan:
         """The expert's answers from a host (NumPy) ``state``."""
-        raise NotImplementedError(f"environment {self.name!r} has no expert for behaviour cloning")
+        raise NotImplementedError(f"environment {self.name!r} has no expert for behaviour cloning: give it an "
+                                  "`expert` method, or set warmup.steps=0 and warmup.single_turn_steps=0")
 
     @classmethod
     def has_expert(cls) -> bool:

@@ -167,24 +167,14 @@ def plan(spec, placement=None, *, keep_programs: bool = False):
     return (out, (programs, placement, rollout_exe, update_exe)) if keep_programs else out
 
 
-def measure(spec, placement=None, compiled=None) -> dict[str, float | None]:
-    """Run the plan's two programs once on the local devices with random weights (initialised in
-    place, sharded) and read what the device allocator saw: ``peak_bytes_in_use`` after the rollout
-    and after the update, per device (the largest over local devices). ``None`` where the backend
-    keeps no statistics (XLA's CPU client). ``compiled``: ``plan(..., keep_programs=True)``'s."""
+def measure(compiled) -> dict[str, float | None]:
+    """Run the planned programs (``plan(..., keep_programs=True)``'s ``compiled``) once on the local
+    devices with random weights (initialised in place, sharded) and read what the device allocator
+    saw: ``peak_bytes_in_use`` after the rollout and after the update, per device (the largest over
+    local devices). ``None`` where the backend keeps no statistics (XLA's CPU client)."""
     import jax
 
-    from ragen_jax.training.run import make_placement
-
-    if compiled is None:
-        placement = placement or make_placement(spec)
-        programs = _Programs(spec, placement)
-        run_rollout = lambda params, key: programs.rollout._run_from_key(params, key, None)  # noqa: E731
-        run_update = programs.update
-    else:
-        programs, placement, rollout_exe, update_exe = compiled
-        run_rollout = lambda params, key: rollout_exe(params, key, None)  # noqa: E731
-        run_update = update_exe
+    programs, placement, rollout_exe, update_exe = compiled
 
     def peak():
         stats = [d.memory_stats() or {} for d in jax.local_devices()]
@@ -193,9 +183,9 @@ def measure(spec, placement=None, compiled=None) -> dict[str, float | None]:
 
     state = jax.jit(programs.build, out_shardings=programs.shardings)()
     key = jax.device_put(jax.random.key(0), placement.replicated)
-    traj = jax.block_until_ready(run_rollout(state.params, key))
+    traj = jax.block_until_ready(rollout_exe(state.params, key, None))
     after_rollout = peak()
-    state, _ = run_update(state, traj)
+    state, _ = update_exe(state, traj)
     jax.block_until_ready(state)
     return {"rollout_peak": after_rollout, "peak": peak(), "devices": placement.mesh.size,
             "device_kind": jax.local_devices()[0].device_kind}
@@ -303,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec = resolve(config)
             figures, compiled = plan(spec, keep_programs=True)
             print(report(spec, figures))
-            measured = measure(spec, compiled=compiled) if measure_flag.value else None
+            measured = measure(compiled) if measure_flag.value else None
             if measured is not None:
                 print(measured_report(figures, measured))
             if json_flag.value:

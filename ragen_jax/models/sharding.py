@@ -123,6 +123,18 @@ def _fit(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
+def _rule_spec(name: str, rules: Rules) -> P | None:
+    """The spec of the first rule whose regex matches ``name`` (None: no rule does)."""
+    for pattern, spec in rules:
+        if re.search(pattern, name):
+            return spec
+    return None
+
+
+def _axis_names(spec: P) -> set[str]:
+    return {a for axes in tuple(spec) if axes is not None for a in (axes if isinstance(axes, tuple) else (axes,))}
+
+
 def partition_spec(path, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES, *, strict: bool = True) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` with ``shape`` on ``mesh``.
 
@@ -131,9 +143,9 @@ def partition_spec(path, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAUL
     everything else on purpose.
     """
     name = path_to_name(path)
-    for pattern, spec in rules:
-        if re.search(pattern, name):
-            return _fit(spec, shape, mesh)
+    spec = _rule_spec(name, rules)
+    if spec is not None:
+        return _fit(spec, shape, mesh)
     if strict:
         raise ValueError(
             f"no partition rule matches parameter {name!r} (shape {tuple(shape)}); add a (regex, PartitionSpec) "
@@ -149,17 +161,13 @@ def replicated_axes(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict[str,
     found: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
 
     def one(path, x):
-        shape = tuple(np.shape(x))
-        name = path_to_name(path)
-        for pattern, spec in rules:
-            if re.search(pattern, name):
-                wanted = {a for axes in tuple(spec) if axes is not None
-                          for a in (axes if isinstance(axes, tuple) else (axes,)) if mesh.shape.get(a, 1) > 1}
-                got = {a for axes in tuple(_fit(spec, shape, mesh)) if axes is not None
-                       for a in (axes if isinstance(axes, tuple) else (axes,))}
-                for axis in sorted(wanted - got):
-                    found.setdefault(axis, []).append((name, shape))
-                return
+        shape, name = tuple(np.shape(x)), path_to_name(path)
+        spec = _rule_spec(name, rules)
+        if spec is None:
+            return
+        wanted = {a for a in _axis_names(spec) if mesh.shape.get(a, 1) > 1}
+        for axis in sorted(wanted - _axis_names(_fit(spec, shape, mesh))):
+            found.setdefault(axis, []).append((name, shape))
 
     jax.tree_util.tree_map_with_path(one, tree)
     return found

@@ -419,7 +419,7 @@ class Rollout:
         """Reset envs, prefill the system prompt (``P0`` tokens) into every row's cache and transcript."""
         c, cd = self.config, self.codec
         B, L = env_keys.shape[0], c.max_seq_len
-        _, state = self._reset_batch(env_keys)
+        _, state = self.env.reset_batch(env_keys, self.env_params)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
         # Every row opens with the same system prompt: prefill it once, then give each row a copy.
@@ -497,7 +497,7 @@ class Rollout:
         """Turn ``t``'s user block from the env state (previous close, reward, warning, board), and
         which rows take the turn: a live row whose block and whole turn still fit the transcript."""
         c, cd = self.config, self.codec
-        pieces, n_pieces = self._render_batch(carry.state)
+        pieces, n_pieces = self.env.render_batch(carry.state, self.env_params, self.fmt)
         actions_left = c.max_actions_per_traj - carry.num_actions
         ids, valid = jax.vmap(
             lambda p, n, e, r, w, a: cd.turn_pieces(t, p, n, eot_emitted=e, reward_id=r, warning=w, actions_left=a)
@@ -566,7 +566,7 @@ class Rollout:
                 a = jnp.maximum(a, 0)  # -1 pads the unused slots
             do = active & (k < parsed.n_valid) & (nact < c.max_actions_per_traj) & ~env_done
             skeys = jax.vmap(lambda key, n: jax.random.fold_in(key, n + 1))(env_keys, nact)
-            st, r, term, trunc, info = self._step_batch(skeys, st, a, do)
+            st, r, term, trunc, info = self.env.step_batch(skeys, st, a, self.env_params, do)
             ended = do & (term | trunc)
             return (st, nact + do, env_done | ended, rsum + jnp.where(do, r, 0.0),
                     succ | (ended & info["success"] & term), nexe + do,
@@ -624,17 +624,6 @@ class Rollout:
             turn_state_hash=pt["anchor"],
             turn_reply_cut=pt["cut"],
         )
-
-    # ---- the episode batch: the env's own batched access (vmapped, or a HostEnv's host call) -----
-    def _reset_batch(self, keys):
-        return self.env.reset_batch(keys, self.env_params)
-
-    def _render_batch(self, state):
-        return self.env.render_batch(state, self.env_params, self.fmt)
-
-    def _step_batch(self, keys, state, actions, do):
-        """One env step for the rows with ``do`` (the others keep their state)."""
-        return self.env.step_batch(keys, state, actions, self.env_params, do)
 
 
 # ---------------------------------------------------------------------------------------------------

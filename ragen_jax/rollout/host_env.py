@@ -99,10 +99,6 @@ class HostEnv(AgentFacing):
         self.piece_table = "tokens"  # observations arrive as token ids: the codec's identity table
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    @property
-    def num_actions(self) -> int:
-        return len(self.action_names)
-
     def check_format(self, fmt):
         fmt = self.observation_format if fmt is None else fmt
         if fmt != "text":

@@ -182,20 +182,19 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
         step, stop_reason = _run_steps(spec, run, train_state, host, start_step, evaluator, logger, ckpt,
                                        transcripts, clock, step_callback)
     except BaseException:
-        _close_after_failure(logger, ckpt)
+        _close_after_failure(logger)
         raise
     logger.close()
     ckpt.close()
     return _finish(spec, host, step, stop_reason, clock, write=main)
 
 
-def _close_after_failure(logger: Logger, ckpt: Checkpointer) -> None:
+def _close_after_failure(logger: Logger) -> None:
     """Close the TensorBoard writer when the run fails, so what was logged is on disk and its
     thread ends now rather than at the interpreter's shutdown (where Python 3.12 prints its error
     after the command's own report). The checkpointer is left as it is: every finished checkpoint
     is already committed, and closing it after a failed save only wakes orbax's threads. A failure
     while closing is secondary to the one being raised: it is dropped."""
-    del ckpt
     try:
         logger.close()
     except Exception:  # noqa: BLE001 - the original error is the one the user needs
