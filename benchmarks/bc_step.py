@@ -25,7 +25,7 @@ import optax  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
 from ragen_jax.training import run as run_lib, warmup  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 
 
 def time_step(step, params, opt_state, batch, repeats: int) -> tuple[float, float]:

@@ -14,12 +14,11 @@ import jax.numpy as jnp
 from env_peers import JaxCase
 
 import environments
-from ragen_jax.rollout.agent import random_action
 
 
 def _ours(name: str, env_name: str, **kwargs) -> JaxCase:
     env, params = environments.make_with_params(env_name, **kwargs)
-    sample = random_action(env)
+    sample = env.random_action
 
     def make(B: int):
         vreset = jax.vmap(env.reset, in_axes=(0, None))

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 
 SHAPES = {
     # name: (architecture, rollout groups × group size, max_new_tokens, max_seq_len)
@@ -58,9 +58,10 @@ def _timed(fn) -> float:
 def build(shape: str, max_new_tokens: int | None):
     from ragen_jax import plan
     from ragen_jax.models import Decoder, ModelConfig
-    from ragen_jax.rollout.agent import make_rollout
+    from ragen_jax.rollout.loop import make_rollout
     from ragen_jax.starpo.update import init_train_state, make_update_step
-    from ragen_jax.training.build import build_env, load_tiny_tokenizer
+    from ragen_jax.models.presets import load_tiny_tokenizer
+    from ragen_jax.training.build import build_env
     from ragen_jax.training.run import make_placement
 
     arch, (groups, size), new_tokens, seq_len = SHAPES[shape]

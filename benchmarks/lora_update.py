@@ -34,7 +34,7 @@ import optax  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.starpo.train_state import frozen_base, policy_params  # noqa: E402
 from ragen_jax.training import run as run_lib, warmup  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

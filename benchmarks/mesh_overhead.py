@@ -24,10 +24,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
-from ragen_jax.rollout.agent import make_rollout  # noqa: E402
+from ragen_jax.rollout.loop import make_rollout# noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.training import run as run_lib  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 
 
 def main():

@@ -33,7 +33,7 @@ from ragen_jax.rollout.trajectory import trim  # noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.starpo.train_state import policy_params  # noqa: E402
 from ragen_jax.training import run as run_lib, trainer  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 from ragen_jax.training.metrics import rollout_metrics  # noqa: E402
 
 

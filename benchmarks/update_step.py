@@ -32,10 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import frozen_lake  # noqa: E402
-from ragen_jax.starpo.config import FilterConfig  # noqa: E402
+from ragen_jax.config import FilterConfig# noqa: E402
 from ragen_jax.starpo.update import make_update_step  # noqa: E402
 from ragen_jax.training import run as run_lib  # noqa: E402
-from ragen_jax.training.configuration import resolve  # noqa: E402
+from ragen_jax.config import resolve# noqa: E402
 
 
 def best_of(fn, repeats: int) -> tuple[float, object]:

@@ -303,7 +303,7 @@ def bench_update(args, hf, directory, tok) -> dict:
     from tunix.sft import peft_trainer
 
     from ragen_jax.models.loading import load_hf
-    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+    from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
     from ragen_jax.starpo.update import init_train_state, make_update_step
 
     batch, lr = args.update_batch, 1e-4

@@ -1,4 +1,4 @@
-"""Base configuration: every section, with RAGEN's defaults (spec §0, §5.6) where they apply.
+"""Base configuration: every section, with RAGEN's defaults where they apply.
 
     python -m ragen_jax.launch --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-0.5b \
         --config.model.path=/models/Qwen2.5-0.5B-Instruct --config.starpo.adv_estimator=grpo
@@ -7,25 +7,31 @@ Sections (each is the keys of one part's frozen config dataclass, so every field
 an unknown key fails with the allowed names):
 
   env       environment name + its constructor / EnvParams keyword arguments (flat)
-  model     ragen_jax.training.sections.ModelSection (preset, local path, dtypes, tiny dims)
-  rollout   ragen_jax.rollout.RolloutConfig  (groups × group size, turns, actions, sampling)
-  starpo    ragen_jax.starpo.config.StarPOConfig  (advantages, PPO clip, KL, entropy, optimiser)
-  filter    ragen_jax.starpo.config.FilterConfig  (SNR filter over groups)
-  collapse  ragen_jax.starpo.config.CollapseConfig (MI proxy / reasoning-collapse diagnostics)
-  trainer   ragen_jax.training.sections.TrainerConfig (steps, logging, checkpoints, cadences, early stop)
-  warmup    ragen_jax.training.sections.WarmupConfig (behaviour cloning before RL)
-  eval      ragen_jax.training.sections.EvalConfig (fixed validation seeds, temperature, pass@k)
-  mesh      ragen_jax.training.sections.MeshConfig (device mesh: data, fsdp, tensor axis sizes)
+  model     ModelSection   (preset, local path, dtypes, tiny dims, LoRA)
+  rollout   RolloutConfig  (groups × group size, turns, actions, sampling)
+  starpo    StarPOConfig   (advantages, PPO clip, KL, entropy, optimiser)
+  filter    FilterConfig   (SNR filter over groups)
+  collapse  CollapseConfig (MI proxy / reasoning-collapse diagnostics)
+  trainer   TrainerConfig  (steps, logging, checkpoints, cadences, early stop)
+  warmup    WarmupConfig   (behaviour cloning before RL)
+  eval      EvalConfig     (fixed validation seeds, temperature, pass@k)
+  mesh      MeshConfig     (device mesh: data, fsdp, tensor axis sizes)
+
+all in ``ragen_jax.config`` (``config/sections.py``, StarPO's three in ``config/starpo.py``).
 
 ``None`` values (placeholders) mean "the preset's recommended value", resolved in one place
-(``ragen_jax.training.configuration.resolve``) and printed at start-up: e.g. the learning rates
-are 1e-6 / 1e-5 (spec §5.6) for pretrained presets and larger for the from-scratch ``tiny`` model.
+(``ragen_jax.config.resolve``) and printed at start-up: e.g. the learning rates
+are 1e-6 / 1e-5 (RAGEN's) for pretrained presets and larger for the from-scratch ``tiny`` model.
 """
 from __future__ import annotations
 
 import typing
 
 from ml_collections import ConfigDict, config_dict
+
+from ragen_jax.config import (CollapseConfig, EvalConfig, FilterConfig, MeshConfig, ModelSection, RolloutConfig,
+                              StarPOConfig, TrainerConfig, WarmupConfig)
+from ragen_jax.config.checks import field_defaults
 
 
 def dataclass_section(cls, **overrides) -> ConfigDict:
@@ -34,8 +40,6 @@ def dataclass_section(cls, **overrides) -> ConfigDict:
     Building sections from the part's own dataclass keeps the keys in one place: a field added
     there is immediately overridable from the command line.
     """
-    from ragen_jax.starpo.config import field_defaults
-
     hints = typing.get_type_hints(cls)
     values = field_defaults(cls)
     unknown = sorted(set(overrides) - set(values))
@@ -56,10 +60,6 @@ def _optional_type(hint):
 
 
 def get_config() -> ConfigDict:
-    from ragen_jax.rollout.agent import RolloutConfig
-    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
-    from ragen_jax.training.sections import EvalConfig, MeshConfig, ModelSection, TrainerConfig, WarmupConfig
-
     c = ConfigDict()
     c.mode = "train"  # train | eval
     c.workdir = "runs/default"  # TensorBoard events, checkpoints, eval JSONL, curve image
@@ -96,7 +96,7 @@ def get_config() -> ConfigDict:
     c.filter = dataclass_section(FilterConfig)
     c.collapse = dataclass_section(CollapseConfig)
 
-    # --- trainer, warm-up, evaluation (ragen_jax.training.sections: each key documented there) ---
+    # --- trainer, warm-up, evaluation (ragen_jax.config.sections: each key documented there) ---
     c.trainer = dataclass_section(TrainerConfig)
     # Behaviour-cloning warm-up on solver demonstrations (both step counts 0 = no warm-up).
     c.warmup = dataclass_section(WarmupConfig)

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ragen_jax.training.configuration import ConfigError, resolve
+from ragen_jax.config import ConfigError, resolve
 
 # --------------------------------------------------------------------------------------------
 # Variants

@@ -239,7 +239,7 @@ def user_errors():
     command with one line saying what and how (exit status 2), not a traceback."""
     from ragen_jax.models.loading import ModelFileError
     from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
-    from ragen_jax.training.configuration import ConfigError
+    from ragen_jax.config import ConfigError
 
     try:
         yield
@@ -300,18 +300,18 @@ def main(argv) -> None:
               "(configs/sokoban.py, configs/bandit.py)", file=sys.stderr)
         sys.exit(2)
     start(_CONFIG.value)
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
 
     if _ENV_SWITCH:  # --config.env.name switched the env: its section is the command line's env keys
         with _CONFIG.value.unlocked():
             _CONFIG.value.env = _env_section(_ENV_SWITCH)
     with user_errors():
         spec = resolve(_CONFIG.value)
-        if spec.config.mode == "eval":
+        if spec.mode == "eval":
             from ragen_jax.training.evaluate import run_eval
 
             run_eval(spec)
-        elif spec.config.mode == "export":
+        elif spec.mode == "export":
             from ragen_jax.training.evaluate import run_export
 
             run_export(spec)

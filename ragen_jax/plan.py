@@ -28,6 +28,7 @@ GGUF's header. Prompts are tokenised by the tiny preset's tokenizer (the layout 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -54,13 +55,13 @@ USABLE = 0.9  # of a device's memory: what XLA may plan to use
 def model_config(spec):
     """The preset's ``ModelConfig`` from its architecture alone (no weights read)."""
     from ragen_jax.models import ModelConfig
-    from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
+    from ragen_jax.models.presets import load_tiny_tokenizer, tiny_model_config
 
-    m = spec.config.model
+    m = spec.model
     knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
-    preset = spec.config.model.preset
+    preset = m.preset
     if preset == "tiny":
-        return tiny_model_config(load_tiny_tokenizer(), m.tiny, **knobs)
+        return tiny_model_config(load_tiny_tokenizer(), m.tiny_dims, **knobs)
     if m.path and os.path.isfile(os.path.join(m.path, "config.json")):
         return ModelConfig.from_hf_config(m.path, **knobs)
     if preset == "smollm2_135m":
@@ -90,9 +91,10 @@ class _Programs:
         from flax import nnx
 
         from ragen_jax.models import Critic, Decoder, ValueHead
-        from ragen_jax.rollout.agent import Rollout
+        from ragen_jax.rollout.loop import Rollout
         from ragen_jax.starpo.update import init_train_state, make_update_step
-        from ragen_jax.training.build import build_env, load_tiny_tokenizer
+        from ragen_jax.models.presets import load_tiny_tokenizer
+        from ragen_jax.training.build import build_env
 
         self.cfg = cfg = model_config(spec)
         mode = spec.starpo.critic_mode
@@ -224,8 +226,8 @@ def report(spec, figures: dict) -> str:
     def gb(b):
         return f"{b / 1e9:9.2f} GB"
 
-    head = (f"{spec.config.model.preset} ({figures['num_parameters'] / 1e9:.2f}B parameters, "
-            f"{spec.config.model.param_dtype} weights, {spec.config.model.dtype} compute), "
+    head = (f"{spec.model.preset} ({figures['num_parameters'] / 1e9:.2f}B parameters, "
+            f"{spec.model.param_dtype} weights, {spec.model.dtype} compute), "
             f"{s.adv_estimator} critic={s.critic_mode}, rollout {r.num_groups} groups × {r.group_size}, "
             f"{r.max_turns} turns, max_seq_len {r.max_seq_len}; mesh data {m['data']} × fsdp {m['fsdp']} × "
             f"tensor {m['tensor']} = {figures['devices']} devices. Per device:")
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             # Simulated CPU devices, set before jax starts its backend (the config file only imports it).
             os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
             jax.config.update("jax_platforms", "cpu")
-        from ragen_jax.training.configuration import PRESETS, ConfigError, resolve
+        from ragen_jax.config import ConfigError, resolve
+        from ragen_jax.models.presets import PRESETS
 
         preset = config.model.preset
         try:
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec = resolve(config)
                 with spec.config.unlocked():
                     spec.config.model.preset = preset
+                spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, preset=preset))
             else:
                 spec = resolve(config)
             figures, compiled = plan(spec, keep_programs=True)
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 with open(json_flag.value, "w") as f:
                     json.dump({"figures": figures, "measured": measured, "preset": preset,
-                               "mesh": spec.config.mesh.to_dict(), "adv_estimator": spec.starpo.adv_estimator,
+                               "mesh": spec.mesh.shape, "adv_estimator": spec.starpo.adv_estimator,
                                "critic": spec.starpo.critic_mode, "platform": jax.devices()[0].platform}, f)
         except ConfigError as e:
             print(f"Configuration error: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ RUNS = {
 
 def record(path: str) -> None:
     from tests.training.test_trainer import small_config_dict
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
     from ragen_jax.training.event_log import read_scalars
     from ragen_jax.training.trainer import train
 

@@ -104,3 +104,17 @@ def reward_text(reward: float | None, decimals: int = 1, limit: float | None = N
 
 def reward_message(reward: float | None, decimals: int = 1, limit: float | None = None) -> str:
     return f"Reward:\n{reward_text(reward, decimals, limit)}\n"
+
+
+def build_system_text(env, fmt: str, config, board_shape, env_params=None) -> str:
+    """The system message for ``env`` as configured: ``config.instruction`` or the env's own
+    (``env.instruction_text``), its legend for grid formats, its action list where it has one."""
+    instruction = config.instruction
+    if instruction is None:
+        instruction = env.instruction_text(fmt, board_shape, env_params)
+    legend = env.legend() if fmt in ("grid", "grid_coord") else None
+    actions = tuple(env.action_names) if env.lists_actions(fmt) else None
+    return system_message(
+        instruction, legend=legend, action_names=actions,
+        max_actions_per_turn=config.max_actions_per_turn,
+    )

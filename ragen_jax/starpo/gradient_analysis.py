@@ -23,6 +23,8 @@ A bucket with no episode reports zeros. All of it is one compiled function of (t
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,9 +34,11 @@ from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import losses
-from ragen_jax.starpo.config import FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import sequence_logprobs
 from ragen_jax.starpo.registry import Registry
+
+if TYPE_CHECKING:  # the config sits above the step it configures (it checks names against its registries)
+    from ragen_jax.config import FilterConfig, StarPOConfig
 
 BUCKETINGS = Registry("gradient-analysis bucketing")
 COMPONENTS = ("task", "entropy", "kl")

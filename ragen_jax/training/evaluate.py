@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ragen_jax.rollout import codec as codec_lib
-from ragen_jax.rollout.agent import make_rollout, validation_keys
+from ragen_jax.rollout.loop import make_rollout, validation_keys
 
 
 class Evaluator:
@@ -121,7 +121,7 @@ def run_eval(spec) -> dict[str, float]:
     """
     from ragen_jax.training.workdir import WorkdirLock
 
-    with WorkdirLock(spec.config.workdir):  # the evaluation writes its records there: no run alongside
+    with WorkdirLock(spec.workdir):  # the evaluation writes its records there: no run alongside
         return _run_eval(spec)
 
 
@@ -132,28 +132,27 @@ def _run_eval(spec) -> dict[str, float]:
     from ragen_jax.training.run import setup
     from ragen_jax.training.workdir import check_eval_workdir
 
-    cfg = spec.config
-    for note in check_eval_workdir(cfg):  # refuses another env's or model's config
+    for note in check_eval_workdir(spec.config):  # refuses another env's or model's config
         print(f"note: {note}")
 
     run = setup(spec)
     params = policy_params(run.train_state)
-    ckpt_dir = Path(cfg.workdir) / "checkpoints"
+    ckpt_dir = Path(spec.workdir) / "checkpoints"
     step = 0
-    ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints) if ckpt_dir.exists() else None
+    ckpt = Checkpointer(ckpt_dir, keep=spec.trainer.keep_checkpoints) if ckpt_dir.exists() else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        params, step = _checkpointed_policy(cfg, run, ckpt, cfg.eval.checkpoint_step)
+        params, step = _checkpointed_policy(spec.config, run, ckpt, spec.eval.checkpoint_step)
         print(f"evaluating checkpoint step {step} from {ckpt_dir}")
     else:
         print(f"no checkpoint in {ckpt_dir}: evaluating the initial model of preset {spec.preset!r}")
     if ckpt is not None:
         ckpt.close()
-    ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, cfg.eval,
+    ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.eval,
                    spec.rollout.batch_size, placement=run.placement)
     main = run.placement.is_main  # with several processes, one writes and prints
     path = None
-    if cfg.eval.write_transcripts and main:
-        path = Path(cfg.workdir) / "eval" / f"transcripts_step{step}.jsonl"
+    if spec.eval.write_transcripts and main:
+        path = Path(spec.workdir) / "eval" / f"transcripts_step{step}.jsonl"
     if path is not None and path.exists():
         path.unlink()
     metrics = ev(params, step, path)
@@ -198,20 +197,19 @@ def run_export(spec) -> str:
     from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
     from ragen_jax.training.run import setup
 
-    cfg = spec.config
     run = setup(spec)
-    ckpt_dir = Path(cfg.workdir) / "checkpoints"
+    ckpt_dir = Path(spec.workdir) / "checkpoints"
     if not ckpt_dir.exists():
         raise NoIntactCheckpoint(f"{ckpt_dir} does not exist: nothing to export (train first, or set "
                                  "config.workdir to a run's directory)")
-    ckpt = Checkpointer(ckpt_dir, keep=cfg.trainer.keep_checkpoints)
+    ckpt = Checkpointer(ckpt_dir, keep=spec.trainer.keep_checkpoints)
     if not ckpt.all_steps():
         ckpt.close()
         raise NoIntactCheckpoint(f"{ckpt_dir} holds no checkpoint: nothing to export (train this run first, or "
                                  "set config.workdir to the directory of a run that has saved one)")
-    params, step = _checkpointed_policy(cfg, run, ckpt)
+    params, step = _checkpointed_policy(spec.config, run, ckpt)
     ckpt.close()
     model = nnx.merge(run.graphdefs.policy, jax.device_get(params))
-    out = export_hf(model, Path(cfg.workdir) / "export")
+    out = export_hf(model, Path(spec.workdir) / "export")
     print(f"exported checkpoint step {step} to {out}")
     return str(out)

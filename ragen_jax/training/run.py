@@ -10,7 +10,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from ragen_jax.training.configuration import RunSpec
+from ragen_jax.config import RunSpec
 
 
 @dataclasses.dataclass
@@ -36,9 +36,9 @@ class Setup:
 def make_placement(spec: RunSpec):
     """The run's mesh (``config.mesh``) over the devices of every process."""
     from ragen_jax.placement import Placement
-    from ragen_jax.training.configuration import ConfigError
+    from ragen_jax.config import ConfigError
 
-    m = spec.config.mesh
+    m = spec.mesh
     try:
         placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor))
     except ValueError as e:
@@ -54,7 +54,7 @@ def make_placement(spec: RunSpec):
 def _check_env_fits_processes(env, placement) -> None:
     """A host environment (Python in the loop) keeps its episodes in one Python process."""
     from ragen_jax.rollout.host_env import HostEnv
-    from ragen_jax.training.configuration import ConfigError
+    from ragen_jax.config import ConfigError
 
     if isinstance(env, HostEnv) and placement.num_processes > 1:
         raise ConfigError(f"{type(env).__name__} is a host environment: its episodes live in one Python process, "
@@ -66,11 +66,10 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     """Model, env, train state (policy, optional critic), rollout and update step for ``spec``,
     laid out on ``placement`` (default: the mesh of ``config.mesh``)."""
     from ragen_jax.models import Critic, ValueHead
-    from ragen_jax.rollout.agent import make_rollout
+    from ragen_jax.rollout.loop import make_rollout
     from ragen_jax.starpo.update import init_train_state, make_update_step
     from ragen_jax.training.build import build_env, build_model
 
-    cfg = spec.config
     placement = placement or make_placement(spec)
     tokenizer, model_cfg, model = build_model(spec, placement)
     env, env_params = build_env(spec, tokenizer)
@@ -80,17 +79,17 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     # The critic is a plain model (fully trained) even when the policy carries LoRA adapters.
     critic_cfg = model_cfg.replace(lora_rank=0)
     if mode == "shared":
-        critic = ValueHead(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+        critic = ValueHead(critic_cfg, rngs=nnx.Rngs(spec.seed + 2))
     elif mode == "separate" and spec.preset == "tiny":
-        critic = Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2))
+        critic = Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2))
     elif mode == "separate":
         from ragen_jax.models.lora import merge_lora
 
         # Created in its shards, then started from the same pretrained checkpoint as the policy (spec §5.5).
-        critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(cfg.seed + 2)))
+        critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2)))
         critic.init_trunk_from(merge_lora(model))
     # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
-    graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(cfg.seed + 1), critic=critic)
+    graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(spec.seed + 1), critic=critic)
     for params in (train_state.params, train_state.critic_params):  # a parameter no rule places is an error
         placement.state_shardings(params, strict=True)
     state_shardings = placement.state_shardings(train_state)
@@ -98,7 +97,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     try:
         rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
     except ValueError as e:  # a context too short for this tokenizer's prompt: the config's to fix
-        from ragen_jax.training.configuration import ConfigError
+        from ragen_jax.config import ConfigError
 
         raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
@@ -113,12 +112,12 @@ def setup(spec: RunSpec, placement=None) -> Setup:
                                 per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings)
 
     analysis = None
-    if cfg.trainer.gradient_analysis_every:
+    if spec.trainer.gradient_analysis_every:
         from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
 
         analysis = make_gradient_analysis(graphdefs, spec.starpo, spec.filter, group_size=spec.rollout.group_size,
-                                          bucketing=cfg.trainer.gradient_analysis_buckets,
-                                          num_buckets=cfg.trainer.gradient_analysis_num_buckets,
+                                          bucketing=spec.trainer.gradient_analysis_buckets,
+                                          num_buckets=spec.trainer.gradient_analysis_num_buckets,
                                           shared_prefix_len=len(rollout.codec.preamble_ids),
                                           per_turn_rows=rollout.per_turn_rows, placement=placement)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),

@@ -27,7 +27,7 @@ import numpy as np
 from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
-from ragen_jax.training.configuration import RunSpec
+from ragen_jax.config import RunSpec
 from ragen_jax.training.event_log import Logger, quadrant_figure, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.run import Setup, make_placement, setup
@@ -117,7 +117,7 @@ class HostState:
 
     @classmethod
     def fresh(cls, spec: RunSpec) -> "HostState":
-        t = spec.config.trainer
+        t = spec.trainer
         early = EarlyStop(baseline_steps=t.reward_collapse_baseline_steps, window=t.reward_collapse_window,
                           ratio=t.reward_collapse_ratio, mi_ratio=t.mi_collapse_ratio,
                           mi_window=t.mi_collapse_window, mi_baseline=spec.collapse.baseline_steps,
@@ -146,7 +146,7 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     clock = (time.time(), time.process_time())
     placement = make_placement(spec)
     # One writer per workdir: the main process holds its lock for the whole run (a second run is refused).
-    lock = WorkdirLock(spec.config.workdir) if placement.is_main else contextlib.nullcontext()
+    lock = WorkdirLock(spec.workdir) if placement.is_main else contextlib.nullcontext()
     with lock:
         return _train(spec, placement, clock, step_callback)
 
@@ -155,8 +155,8 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
     """``train``'s body, under the workdir's lock."""
     from ragen_jax.training.workdir import trim_records
 
-    cfg, t = spec.config, spec.config.trainer
-    workdir = Path(cfg.workdir)
+    t = spec.trainer
+    workdir = Path(spec.workdir)
     resume = _prepare_workdir(spec, placement)  # refuses to mix runs; writes config.json
     run = setup(spec, placement)
     main = placement.is_main  # the one process that writes logs, transcripts and the summary
@@ -164,7 +164,7 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
         print(f"training on {placement.describe}")
     evaluator = _make_evaluator(spec, run)
     ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints)
-    transcripts = workdir / "eval" / "transcripts.jsonl" if cfg.eval.write_transcripts and main else None
+    transcripts = workdir / "eval" / "transcripts.jsonl" if spec.eval.write_transcripts and main else None
 
     if resume:
         train_state, host, start_step = _resume(spec, run, ckpt)
@@ -205,9 +205,9 @@ def _run_steps(spec: RunSpec, run: Setup, train_state, host: "HostState", start_
                logger: Logger, ckpt: Checkpointer, transcripts, clock, step_callback) -> tuple[int, str | None]:
     """The StarPO steps from ``start_step``: rollout → update → log → validate → checkpoint.
     -> ``(last step, stop reason or None)``."""
-    cfg, t = spec.config, spec.config.trainer
+    t = spec.trainer
     steps, bar = _steps(spec, start_step, show=run.placement.is_main)
-    base_key = jax.random.key(cfg.seed)
+    base_key = jax.random.key(spec.seed)
     step, stop_reason = start_step, None
     for step in steps:
         train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
@@ -338,7 +338,7 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
     Only one process may move a workdir aside or write its config.json; the others wait for its
     verdict (a refusal stops every process, the reason printed by the main one).
     """
-    from ragen_jax.training.configuration import ConfigError
+    from ragen_jax.config import ConfigError
     from ragen_jax.training.workdir import prepare_training_workdir
 
     verdict, error = 0, None
@@ -354,7 +354,7 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
     if error is not None:
         raise error
     if verdict == 2:
-        raise ConfigError(f"process 0 refused the workdir {spec.config.workdir!r} (its message says why)")
+        raise ConfigError(f"process 0 refused the workdir {spec.workdir!r} (its message says why)")
     placement.sync("workdir prepared")
     return verdict == 1
 
@@ -362,10 +362,10 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
 def _make_evaluator(spec: RunSpec, run: Setup):
     from ragen_jax.training.evaluate import Evaluator
 
-    t = spec.config.trainer
+    t = spec.trainer
     if not (t.eval_every or t.eval_before_train):
         return None
-    return Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.config.eval,
+    return Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.eval,
                      chunk_rows=spec.rollout.batch_size, placement=run.placement)
 
 
@@ -395,17 +395,18 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
     from ragen_jax.training.warmup import run_warmup
     from ragen_jax.training.warmup_cache import WarmupCache
 
-    cfg = spec.config
-    warms = cfg.warmup.steps > 0 or cfg.warmup.single_turn_steps > 0
-    cache = WarmupCache(cfg.warmup.cache_dir, cfg) if warms and cfg.warmup.cache_dir else None
+    w = spec.warmup
+    warms = w.steps > 0 or w.single_turn_steps > 0
+    # The cache is keyed by the whole resolved config (what the run saves), so it keeps the ConfigDict.
+    cache = WarmupCache(w.cache_dir, spec.config) if warms and w.cache_dir else None
     cached = cache.load(train_state.params) if cache is not None else None
     if cached is not None:
         params, warm_summary = cached.params, cached.summary
         if run.placement.is_main:
             print(f"warm-up restored from {cache.path}")
     elif warms:
-        params, warm_summary = run_warmup(run.rollout, train_state.params, cfg.warmup,
-                                          log_fn=logger.scalars, progress=cfg.trainer.progress_bar,
+        params, warm_summary = run_warmup(run.rollout, train_state.params, w,
+                                          log_fn=logger.scalars, progress=spec.trainer.progress_bar,
                                           frozen=frozen_base(train_state))
     if warms:
         train_state = train_state.replace(params=params)
@@ -416,7 +417,7 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
         logger.scalars(0, warm_summary)
         host.summary.update(warm_summary)
     validation = None
-    if evaluator is not None and cfg.trainer.eval_before_train:
+    if evaluator is not None and spec.trainer.eval_before_train:
         validation = cached.validation if cached is not None else None
         if validation is None:
             validation = evaluator.evaluate(policy_params(train_state), 0, transcripts)
@@ -432,7 +433,7 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
 
 def _steps(spec: RunSpec, start_step: int, show: bool = True):
     """The StarPO steps still to run, and the progress bar over them (None when switched off)."""
-    t = spec.config.trainer
+    t = spec.trainer
     steps = range(start_step + 1, t.total_steps + 1)
     if not (t.progress_bar and show):
         return steps, None
@@ -458,7 +459,7 @@ def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
 def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, host: HostState, tokenizer,
               placement) -> None:
     """TensorBoard: the step's scalars, the MI quadrant when it moved, a sample transcript."""
-    t = spec.config.trainer
+    t = spec.trainer
     if step % t.log_every == 0:
         logger.scalars(step, metrics)
     if _mi_values(metrics)[2] and host.history["quadrant"]:
@@ -477,7 +478,7 @@ def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, hos
 def _validate(spec: RunSpec, evaluator, train_state, step: int, host: HostState, logger: Logger, metrics: dict,
               transcripts) -> str | None:
     """Validation on the fixed puzzles; returns a stop reason when ``trainer.stop_on_success`` is met."""
-    threshold = spec.config.trainer.stop_on_success
+    threshold = spec.trainer.stop_on_success
     val, puzzles = evaluator.evaluate(policy_params(train_state), step, transcripts)
     logger.scalars(step, val)
     metrics.update(val)
@@ -495,7 +496,7 @@ def _record_validation(host: HostState, step: int, val: dict, puzzles: np.ndarra
 
 def _early_stop_reason(spec: RunSpec, host: HostState, metrics: dict) -> str | None:
     """The last of the switched-on early-stop signals that fired this step (None when none did)."""
-    t = spec.config.trainer
+    t = spec.trainer
     reason = None
     if t.stop_on_empty_filter and host.early.consecutive_empty >= spec.filter.empty_stop_steps:
         reason = f"{host.early.consecutive_empty} consecutive empty batches after the SNR filter"
@@ -517,7 +518,7 @@ def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, 
             write: bool = True) -> dict[str, Any]:
     """Summary (also ``summary.json``), the learning curve image and the console report (``write``:
     this process is the one that writes them; every process returns the summary)."""
-    workdir = Path(spec.config.workdir)
+    workdir = Path(spec.workdir)
     summary, history = host.summary, host.history
     summary["steps"] = float(step)
     summary["seconds"] = time.time() - clock[0]

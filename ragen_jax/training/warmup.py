@@ -33,8 +33,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ragen_jax.config import WarmupConfig
+from ragen_jax.config.checks import section_from_dict
 from ragen_jax.rollout import codec as codec_lib
-from ragen_jax.rollout.agent import ForcedReplies, Rollout, make_rollout
+from ragen_jax.rollout.carry import ForcedReplies
+from ragen_jax.rollout.loop import Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
 
@@ -343,13 +346,12 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     Each step runs the system prompt every demonstration starts with once, not once per row
     (``shared_prefix_length``, ``bc_loss(prefix_len=...)``).
 
-    ``warmup_cfg``: the ``config.warmup`` section (``training.sections.WarmupConfig``'s keys; missing
+    ``warmup_cfg``: the ``config.warmup`` section, a ``WarmupConfig`` or a mapping of its keys (missing
     ones take its defaults).
     """
-    from ragen_jax.training.sections import WarmupConfig, section_from_dict
-
     t0 = time.time()
-    warmup_cfg = section_from_dict(WarmupConfig, "warmup", warmup_cfg)
+    if not isinstance(warmup_cfg, WarmupConfig):
+        warmup_cfg = section_from_dict(WarmupConfig, "warmup", warmup_cfg)
     phases, check = _warmup_phases(rollout, _with_frozen(params, frozen), warmup_cfg)
     conv_steps = int(warmup_cfg.steps)
     total = conv_steps + int(warmup_cfg.single_turn_steps)

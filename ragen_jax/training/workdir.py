@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ragen_jax.training.configuration import ConfigError
+from ragen_jax.config import ConfigError
+from ragen_jax.config.checks import field_defaults
+from ragen_jax.config.resolve import SECTIONS
 
 # Keys that change how long a run goes on, how often it logs, evaluates and saves, or how it is
 # driven — never what a step computes — so a resume may change them.
@@ -137,10 +139,7 @@ def config_as_json(config) -> dict:
 
 def section_defaults() -> dict[str, Any]:
     """Every section key at its dataclass default, flattened as ``config.json`` stores it."""
-    from ragen_jax.starpo.config import field_defaults
-    from ragen_jax.training.configuration import section_classes
-
-    defaults = {name: field_defaults(cls) for name, cls in section_classes().items()}
+    defaults = {name: field_defaults(cls) for name, cls in SECTIONS.items()}
     return flatten(json.loads(json.dumps(defaults)))  # tuples -> lists, nested dicts -> dotted keys
 
 

@@ -88,7 +88,7 @@ def corridor():
 def test_a_new_environment_is_one_class_and_one_registry_line(corridor, tmp_path):
     from ml_collections import ConfigDict
 
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
     from ragen_jax.training.trainer import train
     from tests.training.test_trainer import small_config_dict
 

@@ -24,7 +24,7 @@ def test_tags_resolve_to_the_originals_settings():
 
 
 def test_config_accepts_tags_and_names_unknown_keys():
-    from ragen_jax.training.configuration import ConfigError, resolve
+    from ragen_jax.config import ConfigError, resolve
 
     c = base.get_config()
     c.env = base.ConfigDict({"name": "SimpleSudoku"})

@@ -16,7 +16,7 @@ from ragen_jax.models import Decoder, ModelConfig
 from ragen_jax.models.loading import load_hf
 from ragen_jax.models.lora import add_lora, export_hf, has_lora, merge_lora
 from ragen_jax.starpo import update as U
-from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import positions_for
 
 CFG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,

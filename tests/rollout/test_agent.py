@@ -18,7 +18,9 @@ from flax import nnx
 import environments
 from ragen_jax.models import Decoder, ModelConfig
 from ragen_jax.rollout import prompts
-from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout, validation_keys
+from ragen_jax.config import RolloutConfig
+from ragen_jax.rollout.carry import ForcedReplies
+from ragen_jax.rollout.loop import make_rollout, validation_keys
 from ragen_jax.rollout.codec import decode
 from tests.rollout.helpers import make_tokenizer
 

@@ -16,7 +16,8 @@ import pytest
 
 import environments
 from ragen_jax.rollout import prompts
-from ragen_jax.rollout.agent import RolloutConfig, build_system_text
+from ragen_jax.config import RolloutConfig
+from ragen_jax.rollout.prompts import build_system_text
 from ragen_jax.rollout.chat import chat_framing
 from ragen_jax.rollout.codec import PromptCodec, concat_pieces, decode, token_byte_table
 from tests.rollout.helpers import make_tokenizer

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ragen_jax.rollout import prompts
-from ragen_jax.rollout.agent import RolloutConfig, make_rollout
+from ragen_jax.config import RolloutConfig
+from ragen_jax.rollout.loop import make_rollout
 from ragen_jax.rollout.codec import decode
 from ragen_jax.rollout.host_env import HostEnv
 from tests.rollout.helpers import make_tokenizer
@@ -120,7 +121,7 @@ def test_non_finite_host_reward_is_an_error_naming_env_and_step():
     toks = np.zeros((cfg.batch_size, cfg.max_turns, cfg.max_new_tokens), np.int32)
     toks[:, :, : len(ids)] = ids
     lens = np.full((cfg.batch_size, cfg.max_turns), len(ids), np.int32)
-    from ragen_jax.rollout.agent import ForcedReplies
+    from ragen_jax.rollout.carry import ForcedReplies
 
     with pytest.raises(Exception, match=r"HostEnv BrokenReward returned a non-finite reward nan at step 2 of row 0"):
         jax.block_until_ready(ro(weights, jax.random.key(0), ForcedReplies(tokens=jnp.asarray(toks),
@@ -150,7 +151,7 @@ class NotText(Echo):
 
 
 def _forced(tok, cfg, reply):
-    from ragen_jax.rollout.agent import ForcedReplies
+    from ragen_jax.rollout.carry import ForcedReplies
 
     ids = tok(reply, add_special_tokens=False)["input_ids"]
     toks = np.zeros((cfg.batch_size, cfg.max_turns, cfg.max_new_tokens), np.int32)

@@ -2,7 +2,8 @@
 import pytest
 
 import environments
-from ragen_jax.rollout.agent import RolloutConfig, build_system_text
+from ragen_jax.config import RolloutConfig
+from ragen_jax.rollout.prompts import build_system_text
 
 SENTENCE = "The ice is slippery: a move may take you in a direction you did not intend."
 

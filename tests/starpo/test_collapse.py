@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ragen_jax.starpo import collapse
-from ragen_jax.starpo.config import CollapseConfig
+from ragen_jax.config import CollapseConfig
 from tests.starpo.traj_factory import THINK, Conversation, Turn, build_trajectory
 
 VOCAB = 256

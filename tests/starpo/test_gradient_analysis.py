@@ -13,7 +13,7 @@ from flax import nnx
 from ragen_jax.models import Decoder
 from ragen_jax.starpo import gradient_analysis as ga
 from ragen_jax.starpo import update as U
-from ragen_jax.starpo.config import FilterConfig, StarPOConfig
+from ragen_jax.config import FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import positions_for
 from tests.starpo import numpy_reference as ref
 from tests.starpo.test_update import GROUP_SIZE, MODEL_CFG, make_traj

@@ -18,7 +18,7 @@ from ragen_jax.models import Decoder
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import losses
 from ragen_jax.starpo import update as U
-from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
 from tests.starpo.test_update import MODEL_CFG
 from tests.starpo.traj_factory import Conversation, Turn, build_trajectory
 

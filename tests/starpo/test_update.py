@@ -16,7 +16,7 @@ from flax import nnx
 from ragen_jax.models import Critic, Decoder, ModelConfig, ValueHead
 from ragen_jax.starpo import losses
 from ragen_jax.starpo import update as U
-from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.starpo.logprobs import positions_for
 from tests.starpo.traj_factory import THINK, Conversation, Turn, build_trajectory
 

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 def config(workdir: str, steps: int, mesh: tuple[int, int, int]):
     from configs import frozen_lake
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
 
     c = frozen_lake.get_config()
     c.workdir = workdir

@@ -10,7 +10,7 @@ import pytest
 
 from configs import frozen_lake
 from ragen_jax import compare as cmp
-from ragen_jax.training.configuration import ConfigError
+from ragen_jax.config import ConfigError
 
 
 def test_parse_variants_labels_joins_and_types():

@@ -8,7 +8,7 @@ import pytest
 
 from configs import bandit, base, frozen_lake
 from configs import sokoban_ragen as sokoban  # RAGEN's defaults
-from ragen_jax.training.configuration import ConfigError, resolve
+from ragen_jax.config import ConfigError, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 from ragen_jax.training.metrics import EarlyStop
-from ragen_jax.training.sections import TrainerConfig
+from ragen_jax.config import TrainerConfig
 
 
 def run(early, steps):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from ragen_jax.training.configuration import resolve
+from ragen_jax.config import resolve
 from ragen_jax.training.event_log import read_scalars
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)

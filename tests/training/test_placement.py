@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from configs import frozen_lake
 from ragen_jax.models import Decoder, ModelConfig
-from ragen_jax.placement import Placement, single_device
-from ragen_jax.starpo.config import StarPOConfig
+from ragen_jax.placement import single_device
+from ragen_jax.config import StarPOConfig
 from ragen_jax.starpo.update import in_float32, init_train_state
-from ragen_jax.training.configuration import ConfigError, resolve
+from ragen_jax.config import ConfigError, resolve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -119,7 +119,7 @@ from configs import frozen_lake
 from ragen_jax import plan
 from ragen_jax.models.sharding import make_mesh
 from ragen_jax.placement import Placement
-from ragen_jax.training.configuration import resolve
+from ragen_jax.config import resolve
 
 c = frozen_lake.get_config()
 c.rollout.update(dict(num_groups=2, group_size=4, max_turns=2, max_new_tokens=16, max_seq_len=400))
@@ -161,7 +161,7 @@ from configs import frozen_lake
 from ragen_jax import plan
 from ragen_jax.models import Decoder
 from ragen_jax.models.sharding import make_mesh
-from ragen_jax.training.configuration import resolve
+from ragen_jax.config import resolve
 
 spec = resolve(frozen_lake.get_config())
 cfg = plan.model_config(spec)
@@ -195,7 +195,7 @@ def test_planner_warns_when_the_mesh_asks_for_splits_the_model_cannot_take():
     figures.update(devices=3, mesh=dict(data=1, fsdp=1, tensor=3), warnings=three)
     from configs import frozen_lake
     from ragen_jax import plan
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
 
     text = plan.report(resolve(frozen_lake.get_config()), figures)
     assert text.splitlines()[-2:] == [f"Warning: {w}." for w in three]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ragen_jax.training.configuration import ConfigError
+from ragen_jax.config import ConfigError
 from ragen_jax.training.event_log import read_scalars
 from tests.training.test_trainer import small_config
 

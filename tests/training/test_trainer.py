@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from configs import frozen_lake
-from ragen_jax.training.configuration import resolve
+from ragen_jax.config import resolve
 from ragen_jax.training.event_log import read_events, read_scalars
 
 

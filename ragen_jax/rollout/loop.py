@@ -1,6 +1,6 @@
-"""The multi-turn agent rollout: model and vmapped environments run whole episodes on device.
+"""The multi-turn rollout loop: model and vmapped environments run whole episodes on device.
 
-``make_rollout(graphdef, env, env_params, tokenizer, RolloutConfig)`` returns a :class:`Rollout`;
+``make_rollout(graphdef, env, env_params, tokenizer, config.rollout)`` returns a :class:`Rollout`;
 ``rollout(params, key) -> Trajectory`` is one ``jit``:
 
     reset envs (vmapped; the same reset key within a group)
@@ -44,132 +44,22 @@ from __future__ import annotations
 
 import dataclasses
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from environments.hashing import lowbias32
-from ragen_jax.models.kv_cache import KVCache, broadcast_cache, init_cache
+from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.models.sharding import cache_shardings
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout import parser as parser_lib
 from ragen_jax.rollout import prompts
+from ragen_jax.rollout.carry import ForcedReplies, TurnCarry, UserBlock
 from ragen_jax.rollout.chat import chat_framing
+from ragen_jax.rollout.context import CONTEXT_STRATEGIES
 from ragen_jax.rollout.trajectory import Trajectory
-
-# One strategy each (``FullContext``, ``LimitedContext``, ``ReprefillContext`` below). "reprefill"
-# is a benchmark baseline, not a training mode: every turn rebuilds the KV cache by prefilling the
-# whole conversation from position 0 (what the original and Tunix do) — the same trajectories as
-# "full", at a higher cost (``benchmarks/rollout.py``).
-CONTEXT_MODES = ("full", "limited", "reprefill")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """Static settings of the rollout (the ``config.rollout`` section)."""
-
-    num_groups: int = 8  # G: distinct env reset keys
-    group_size: int = 16  # K: rollouts per group (same reset key)
-    max_turns: int = 5
-    max_actions_per_turn: int = 2
-    max_actions_per_traj: int = 10
-    max_new_tokens: int = 128  # per turn
-    max_seq_len: int = 2048  # KV cache / transcript length
-    enable_think: bool = True
-    format_penalty: float = -0.1
-    max_words: int = 100  # the "Max response length: N words (tokens)." sentence
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_at_answer: bool = True  # also stop a reply at "</answer>"
-    context_mode: str = "full"
-    context_window: int = 2  # turns visible in "limited" mode (the current one included; 1 = only it)
-    observation_format: str | None = None  # None: the env's configured format
-    instruction: str | None = None  # None: the built-in instruction of the env
-    reward_decimals: int = 1
-    reward_limit: float = 50.0
-    max_obs_tokens: int | None = None  # observation token budget; None: measured on random states
-    # The user block's chunk is sized for the longest block any turn may hold (a replayed reply's
-    # for the longest reply); both are prefilled in this many pieces, and the pieces no row reaches
-    # are skipped (1 = one piece, never skipped).
-    prefill_pieces: int = 4
-    # ReMax: also play one greedy (temperature 0) episode per group inside the same rollout program;
-    # its return is every row's ``Trajectory.reward_baseline`` (costs one more rollout of num_groups rows).
-    greedy_baseline: bool = False
-
-    def __post_init__(self):
-        for name in ("num_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                     "max_new_tokens", "max_seq_len", "context_window", "prefill_pieces"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"rollout.{name} must be a positive int, got {v!r}")
-        if self.context_mode not in CONTEXT_MODES:
-            raise ValueError(f"rollout.context_mode={self.context_mode!r}; choose one of {CONTEXT_MODES}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1] (1 = off: sample from the "
-                             "whole distribution)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"rollout.top_k={self.top_k!r} must be an int >= 0 (0 = off)")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"rollout.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if self.format_penalty > 0:
-            raise ValueError(f"rollout.format_penalty must be <= 0, got {self.format_penalty}")
-
-    @property
-    def batch_size(self) -> int:
-        return self.num_groups * self.group_size
-
-
-@chex.dataclass(frozen=True)
-class ForcedReplies:
-    """Scripted replies instead of sampling (tests, demonstrations, behaviour cloning).
-
-    tokens int32 [B, T, N] (N <= max_new_tokens), lengths int32 [B, T]. Turn t of row b "samples"
-    ``tokens[b, t, :lengths[b, t]]``; log-probs are recorded as 0.
-    """
-
-    tokens: chex.Array
-    lengths: chex.Array
-
-
-@chex.dataclass(frozen=True)
-class TurnCarry:
-    """What one turn hands the next (``lax.scan`` carry); ``[B]`` / ``[B, L]`` per row."""
-
-    cache: KVCache  # each row's KV cache (``Rollout.cache_len`` slots)
-    state: chex.ArrayTree  # the env states
-    pos: chex.Array  # int32 [B] transcript length so far (= next write position)
-    buf: chex.Array  # int32 [B, L] the transcript
-    loss: chex.Array  # bool [B, L] sampled tokens
-    logp: chex.Array  # float32 [B, L] the sampler's log-probs of them
-    turn_ids: chex.Array  # int32 [B, L] turn of each token (-1 = preamble)
-    keys: chex.Array  # [B] per-row sampling keys
-    done: chex.Array  # bool [B] episode over (env end, action budget, or truncated)
-    truncated: chex.Array  # bool [B] ended because the next turn would not fit
-    success: chex.Array  # bool [B]
-    num_actions: chex.Array  # int32 [B] env actions taken
-    eot: chex.Array  # bool [B] the last reply ended with the end-of-turn token
-    reward_id: chex.Array  # int32 [B] piece id of the last turn's reward text
-    warn: chex.Array  # bool [B] the last reply had no valid action (warning next turn)
-    turn_starts: chex.Array  # int32 [B, T] transcript index where each turn's user content starts
-
-
-@chex.dataclass(frozen=True)
-class UserBlock:
-    """Turn ``t``'s user block, tokenised, and who takes the turn (``Rollout._user_block``)."""
-
-    chunk: chex.Array  # int32 [B, C] tokens: previous close, reward, warning, board, instructions
-    length: chex.Array  # int32 [B] valid tokens (0 for rows not taking the turn)
-    source: chex.Array  # int32 [B, C] piece each token came from (0 = the previous close)
-    close_len: chex.Array  # int32 [B] tokens of the previous close at the start of the chunk
-    active: chex.Array  # bool [B] the row takes this turn
-    done: chex.Array  # bool [B] episode over after this check (truncation included)
-    truncated: chex.Array  # bool [B]
-    turn_starts: chex.Array  # int32 [B, T] with this turn's start recorded
-    anchor: chex.Array  # uint32 [B] hash of the observation (``observation_hash``): GiGPO's anchor state
 
 
 def _write(arr, start, values, n):
@@ -197,20 +87,6 @@ def validation_keys(n: int, seed: int = 123) -> jax.Array:
     return jax.random.split(jax.random.key(seed), n)
 
 
-def build_system_text(env, fmt: str, config: RolloutConfig, board_shape, env_params=None) -> str:
-    """The system message for ``env`` as configured: ``config.instruction`` or the env's own
-    (``env.instruction_text``), its legend for grid formats, its action list where it has one."""
-    instruction = config.instruction
-    if instruction is None:
-        instruction = env.instruction_text(fmt, board_shape, env_params)
-    legend = env.legend() if fmt in ("grid", "grid_coord") else None
-    actions = tuple(env.action_names) if env.lists_actions(fmt) else None
-    return prompts.system_message(
-        instruction, legend=legend, action_names=actions,
-        max_actions_per_turn=config.max_actions_per_turn,
-    )
-
-
 def action_vocab(env, reply_bytes: int):
     """What the parser matches answer parts against: the env's action names, or — for an env with
     free-text actions (``env.parse_action``) — a ``parser.TextActions`` of the env's own parser."""
@@ -232,7 +108,7 @@ class Rollout:
     key ``b`` either way, so the trajectory does not depend on the mesh.
     """
 
-    def __init__(self, graphdef, env, env_params, tokenizer, config: RolloutConfig, placement=None):
+    def __init__(self, graphdef, env, env_params, tokenizer, config, placement=None):
         self.graphdef = graphdef
         self.placement = placement
         self.env = env
@@ -252,7 +128,7 @@ class Rollout:
             max_obs_tokens = self._measure_obs_tokens(tokenizer, state_shape)
         self.max_obs_tokens = max_obs_tokens
         self.framing = chat_framing(tokenizer)
-        self.system_text = build_system_text(env, fmt, config, board_shape, env_params)
+        self.system_text = prompts.build_system_text(env, fmt, config, board_shape, env_params)
         self.codec = codec_lib.PromptCodec(
             tokenizer, self.framing, env.piece_table, self.system_text,
             enable_think=config.enable_think, max_words=config.max_words,
@@ -626,96 +502,8 @@ class Rollout:
         )
 
 
-# ---------------------------------------------------------------------------------------------------
-# What a turn sees: one small strategy per ``RolloutConfig.context_mode``
 
-
-class FullContext:
-    """``full``: the whole conversation; the user block is appended at the row's own position."""
-
-    def __init__(self, rollout: "Rollout"):
-        self.rollout = rollout
-
-    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
-        """-> ``(cache, tokens to prefill [B, C], their lengths [B], cache write positions [B])``."""
-        return carry.cache, block.chunk, block.length, carry.pos
-
-    def context_start(self, turn_starts, t, P0, active):
-        """Transcript index where turn ``t``'s visible history (after the preamble) begins."""
-        return jnp.where(active, P0, 0)
-
-
-class ReprefillContext(FullContext):
-    """``reprefill`` — a benchmark baseline, not a training mode: the same context as ``full``, but
-    every turn rebuilds the KV cache by prefilling the whole conversation from position 0 (what the
-    original and Tunix do), so ``benchmarks/rollout.py`` can measure what appending saves."""
-
-    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
-        B, L = carry.buf.shape
-        fresh = init_cache(nnx.merge(*model).cfg, B, L, carry.cache.k.dtype)
-        cache = prefill(model, fresh, carry.buf, jnp.zeros((B,), jnp.int32), jnp.where(block.active, carry.pos, 0))[1]
-        return cache, block.chunk, block.length, carry.pos
-
-
-class LimitedContext(FullContext):
-    """``limited``: the system prompt and the last ``context_window`` turns (RAGEN's
-    ``limited_multi_turn``). The cache holds only that (``Rollout.cache_len``) and is rebuilt at
-    every turn boundary once the window slides."""
-
-    def prepare(self, model, carry: TurnCarry, block: UserBlock, t):
-        c, cd = self.rollout.config, self.rollout.codec
-        P0 = len(cd.preamble_ids)
-        cache = self._rebuild_window(model, carry.cache, carry.buf, block.turn_starts, carry.pos, t, block.active, P0)
-        chunk, clen = block.chunk, block.length
-        if c.context_window == 1:
-            # The previous assistant's close belongs to a turn outside the window.
-            chunk = jnp.take_along_axis(chunk, jnp.clip(block.close_len[:, None] + jnp.arange(cd.chunk_len)[None],
-                                                        0, cd.chunk_len - 1), 1)
-            clen = clen - block.close_len
-        # The cache holds a shorter context than the transcript: its own write position.
-        return cache, chunk, clen, self._cache_pos(block.turn_starts, carry.pos, t, P0)
-
-    def _window(self, turn_starts, t):
-        """(first turn kept in turn ``t``'s window, int32 [B] transcript index where it starts)."""
-        first = jnp.maximum(t - self.rollout.config.context_window + 1, 0)
-        start = jnp.take_along_axis(turn_starts, jnp.broadcast_to(first, (turn_starts.shape[0], 1)), 1)[:, 0]
-        return first, start
-
-    def context_start(self, turn_starts, t, P0, active):
-        first, start = self._window(turn_starts, t)
-        return jnp.where(active, jnp.where(first > 0, start, P0), 0)
-
-    def _cache_pos(self, turn_starts, pos, t, P0):
-        """Cache write position: preamble + the kept turns."""
-        first, start = self._window(turn_starts, t)
-        # With a one-turn window ``start`` lies after the previous close, which is not prefilled.
-        return jnp.where(first > 0, P0 + jnp.maximum(pos - start, 0), pos)
-
-    def _rebuild_window(self, model, cache, buf, turn_starts, pos, t, active, P0):
-        """Re-prefill the last ``context_window - 1`` turns right after the preamble (slots ``P0..``).
-
-        Before the window first slides (``t < context_window``) the cache already holds exactly
-        that context and is kept as is. A one-turn window keeps nothing but the preamble: the new
-        user block is written from slot ``P0`` and every slot past it is masked by position.
-        """
-        if self.rollout.config.context_window == 1:
-            return cache
-        first, start = self._window(turn_starts, t)
-        B, L = buf.shape
-        kept = jnp.where(active, pos - start, 0)
-        j = jnp.arange(self.rollout.cache_len - P0)
-        hist = jnp.take_along_axis(buf, jnp.clip(start[:, None] + j[None], 0, L - 1), 1)
-
-        def rebuild(cache):
-            return prefill(model, cache, hist, jnp.full((B,), P0, jnp.int32), kept)[1]
-
-        return jax.lax.cond(first > 0, rebuild, lambda cache: cache, cache)
-
-
-CONTEXT_STRATEGIES = {"full": FullContext, "limited": LimitedContext, "reprefill": ReprefillContext}
-
-
-def make_rollout(graphdef, env, env_params, tokenizer, config: RolloutConfig, placement=None) -> Rollout:
+def make_rollout(graphdef, env, env_params, tokenizer, config, placement=None) -> Rollout:
     """Build the jitted multi-turn rollout; call it as ``rollout(params, key) -> Trajectory``."""
     if isinstance(graphdef, nnx.Module):
         graphdef = nnx.split(graphdef)[0]

@@ -1,72 +1,25 @@
-"""Frozen configs of the StarPO step: ``config.starpo``, ``config.filter`` and ``config.collapse``.
+"""The StarPO step's sections: ``config.starpo``, ``config.filter`` and ``config.collapse``.
 
 Field names are the ml-collections keys of each section. Build them with ``from_dict`` (e.g.
 ``StarPOConfig.from_dict(cfg.starpo)``): an unknown key fails with the key and the allowed fields,
 and every algorithm name is checked against the registry that implements it, so the error lists
-the values that actually exist. Defaults are the original's (spec §5.6); the SNR filter is off by
+the values that actually exist. Defaults are the original's; the SNR filter is off by
 default (top-p 1.0, keep every group).
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
+
+from ragen_jax.config.checks import check, check_int, check_number, section_from_dict
+from ragen_jax.starpo import advantages, losses, snr_filter
 
 CRITIC_MODES = ("auto", "none", "shared", "separate")
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def check_keys(section: str, values: Mapping[str, Any], allowed) -> None:
-    """Raise ``ValueError`` naming the first key of ``values`` not in ``allowed`` (with a close match)."""
-    allowed = list(allowed)
-    for key in values:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"; did you mean {section}.{close[0]}?" if close else ""
-            raise ValueError(f"unknown key {section}.{key}; allowed: {', '.join(allowed)}{hint}")
-
-
-def section_from_dict(cls, section: str, values: Any):
-    """``cls(**values)`` for a config section, with a clear error for keys the dataclass lacks."""
-    if hasattr(values, "to_dict"):  # ml_collections.ConfigDict
-        values = values.to_dict()
-    if not isinstance(values, Mapping):
-        raise ValueError(f"config.{section} must be a mapping of keys to values, got {type(values).__name__}.")
-    check_keys(section, values, [f.name for f in dataclasses.fields(cls)])
-    return cls(**dict(values))
-
-
-def field_defaults(cls) -> dict[str, Any]:
-    """A config dataclass's keys at their defaults (fields without one are left out)."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            values[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            values[f.name] = f.default_factory()
-    return values
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
-def _check_int(section: str, name: str, value: Any, minimum: int) -> None:
-    _check(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-        f"{section}.{name} must be an int >= {minimum}, got {value!r}.",
-    )
-
-
-def _check_number(section: str, name: str, value: Any, minimum: float = 0.0, strict: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > minimum if strict else value >= minimum)
-    _check(ok, f"{section}.{name} must be a number {'>' if strict else '>='} {minimum}, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +147,6 @@ class StarPOConfig:
         return section_from_dict(cls, "starpo", values)
 
     def __post_init__(self):
-        from ragen_jax.starpo import advantages, losses
-
         s = "starpo"
         advantages.ADVANTAGE_ESTIMATORS.validate(self.adv_estimator)
         advantages.REWARD_NORMALIZATIONS.validate(self.reward_norm)
@@ -205,62 +156,62 @@ class StarPOConfig:
         losses.LOSS_AGGREGATIONS.validate(self.loss_agg_mode)
         for name in ("gamma", "lam", "high_level_gamma"):
             value = getattr(self, name)
-            _check(
+            check(
                 isinstance(value, (int, float)) and 0.0 <= value <= 1.0,
                 f"{s}.{name} must be in [0, 1], got {value!r}.",
             )
         for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coeff", "kl_coef", "kl_in_reward_coef",
                      "weight_decay", "cliprange_value"):
-            _check_number(s, name, getattr(self, name))
-        _check_number(s, "clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+            check_number(s, name, getattr(self, name))
+        check_number(s, "clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
         for name in ("grad_clip", "actor_lr", "critic_lr", "adam_eps"):
-            _check_number(s, name, getattr(self, name), 0.0, strict=True)
+            check_number(s, name, getattr(self, name), 0.0, strict=True)
         for name in ("adam_b1", "adam_b2"):
             value = getattr(self, name)
-            _check(isinstance(value, float) and 0.0 <= value < 1.0, f"{s}.{name} must be in [0, 1), got {value!r}.")
-        _check_int(s, "ppo_epochs", self.ppo_epochs, 1)
-        _check_int(s, "warmup_steps", self.warmup_steps, 0)
-        _check(self.lr_schedule in LR_SCHEDULES,
+            check(isinstance(value, float) and 0.0 <= value < 1.0, f"{s}.{name} must be in [0, 1), got {value!r}.")
+        check_int(s, "ppo_epochs", self.ppo_epochs, 1)
+        check_int(s, "warmup_steps", self.warmup_steps, 0)
+        check(self.lr_schedule in LR_SCHEDULES,
                f"{s}.lr_schedule={self.lr_schedule!r}; allowed: {', '.join(LR_SCHEDULES)}.")
-        _check_int(s, "lr_decay_steps", self.lr_decay_steps, 0)
-        _check(self.lr_schedule != "cosine" or self.lr_decay_steps >= 1,
+        check_int(s, "lr_decay_steps", self.lr_decay_steps, 0)
+        check(self.lr_schedule != "cosine" or self.lr_decay_steps >= 1,
                f"{s}.lr_schedule='cosine' needs {s}.lr_decay_steps >= 1 (the optimizer steps to decay over; "
                "a StarPO step takes one per kept mini-batch and PPO epoch).")
-        _check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
+        check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
-        _check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
-        _check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
+        check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
+        check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
         self._check_credit_assignment(s)
-        _check(
+        check(
             not (self.seq_len_multiple and self.loss_agg_mode.endswith("-token-sum-norm")),
             f"{s}.seq_len_multiple={self.seq_len_multiple} would change the row width that "
             f"{s}.loss_agg_mode={self.loss_agg_mode!r} divides by; set {s}.seq_len_multiple=0 or "
             "use another loss_agg_mode.",
         )
         if self.logprob_temperature is not None:
-            _check_number(s, "logprob_temperature", self.logprob_temperature, 0.0, strict=True)
+            check_number(s, "logprob_temperature", self.logprob_temperature, 0.0, strict=True)
         for name in ("mini_batch_size", "num_mini_batches", "micro_batch_size"):
             if getattr(self, name) is not None:
-                _check_int(s, name, getattr(self, name), 1)
-        _check(
+                check_int(s, name, getattr(self, name), 1)
+        check(
             self.mini_batch_size is None or self.num_mini_batches is None,
             f"{s}.mini_batch_size={self.mini_batch_size} and {s}.num_mini_batches={self.num_mini_batches} "
             "are both set; set one of them (the other follows from the batch size).",
         )
-        _check(self.whiten is None or isinstance(self.whiten, bool), f"{s}.whiten must be None, True or False.")
-        _check(self.critic in CRITIC_MODES, f"{s}.critic={self.critic!r}; allowed: {', '.join(CRITIC_MODES)}.")
+        check(self.whiten is None or isinstance(self.whiten, bool), f"{s}.whiten must be None, True or False.")
+        check(self.critic in CRITIC_MODES, f"{s}.critic={self.critic!r}; allowed: {', '.join(CRITIC_MODES)}.")
         uses_critic = advantages.ADVANTAGE_ESTIMATORS.get(self.estimator).uses_critic
-        _check(
+        check(
             not (uses_critic and self.critic == "none"),
             f"{s}.adv_estimator={self.adv_estimator!r} needs a critic but {s}.critic='none'; "
             "use critic='auto', 'shared' or 'separate', or a critic-free estimator (grpo, drgrpo).",
         )
-        _check(
+        check(
             uses_critic or self.critic in ("auto", "none"),
             f"{s}.adv_estimator={self.adv_estimator!r} does not use a critic, so {s}.critic={self.critic!r} "
             "would train one for nothing; set critic='auto' or 'none'.",
         )
-        _check(
+        check(
             not self.use_turn_scores or self.reward_norm == "identity",
             f"{s}.use_turn_scores=True keeps per-turn rewards, which episode-score normalisation "
             f"cannot rescale; set {s}.reward_norm='identity' or use_turn_scores=False.",
@@ -269,28 +220,27 @@ class StarPOConfig:
 
     def _check_credit_assignment(self, s: str) -> None:
         """The settings of GiGPO, the verl policy losses and DAPO's overlong handling."""
-        from ragen_jax.starpo.advantages import GIGPO_NORMS
-        from ragen_jax.starpo.losses import ROLLOUT_IS_LEVELS
 
-        _check(self.gigpo_norm in GIGPO_NORMS, f"{s}.gigpo_norm={self.gigpo_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")
-        _check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
-        _check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
+        check(self.gigpo_norm in advantages.GIGPO_NORMS,
+              f"{s}.gigpo_norm={self.gigpo_norm!r}; allowed: {', '.join(advantages.GIGPO_NORMS)}.")
+        check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
+        check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
                f"{s}.gigpo_gamma must be in [0, 1], got {self.gigpo_gamma!r}.")
         for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
-            _check_number(s, name, getattr(self, name), 0.0, strict=True)
+            check_number(s, name, getattr(self, name), 0.0, strict=True)
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
                      "overlong_penalty_factor"):
-            _check_number(s, name, getattr(self, name))
+            check_number(s, name, getattr(self, name))
         for name in ("rollout_is", "rollout_rs"):
-            _check(getattr(self, name) in ROLLOUT_IS_LEVELS,
-                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
-        _check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
+            check(getattr(self, name) in losses.ROLLOUT_IS_LEVELS,
+                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(losses.ROLLOUT_IS_LEVELS)}.")
+        check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
         if self.overlong_max_len is not None:
-            _check_int(s, "overlong_max_len", self.overlong_max_len, 1)
-            _check(self.overlong_buffer_len <= self.overlong_max_len,
+            check_int(s, "overlong_max_len", self.overlong_max_len, 1)
+            check(self.overlong_buffer_len <= self.overlong_max_len,
                    f"{s}.overlong_buffer_len={self.overlong_buffer_len} exceeds {s}.overlong_max_len="
                    f"{self.overlong_max_len}; the buffer is the last part of the allowed length.")
-        _check(isinstance(self.overlong_filter, bool), f"{s}.overlong_filter must be True or False.")
+        check(isinstance(self.overlong_filter, bool), f"{s}.overlong_filter must be True or False.")
 
     @property
     def estimator(self) -> str:
@@ -302,9 +252,7 @@ class StarPOConfig:
     @property
     def actor_loss_agg_mode(self) -> str:
         """The aggregation of the actor objective: ``loss_agg_mode``, or a sequence-level loss's own."""
-        from ragen_jax.starpo.losses import loss_aggregation
-
-        return loss_aggregation(self.policy_loss, self.loss_agg_mode)
+        return losses.loss_aggregation(self.policy_loss, self.loss_agg_mode)
 
     @property
     def policy_loss_hparams(self) -> dict:
@@ -324,8 +272,6 @@ class StarPOConfig:
         """none | shared | separate, with ``auto`` resolved from the estimator."""
         if self.critic != "auto":
             return self.critic
-        from ragen_jax.starpo import advantages
-
         return "separate" if advantages.ADVANTAGE_ESTIMATORS.get(self.estimator).uses_critic else "none"
 
     @property
@@ -337,14 +283,14 @@ class StarPOConfig:
         """(num_mini_batches, mini_batch_size) for a batch of ``batch_size`` trajectories."""
         if self.num_mini_batches is not None:
             num = self.num_mini_batches
-            _check(
+            check(
                 batch_size % num == 0,
                 f"starpo.num_mini_batches={num} does not divide the batch of {batch_size} trajectories; "
                 f"allowed num_mini_batches values: {_divisors(batch_size)}.",
             )
             return num, batch_size // num
         size = min(self.mini_batch_size or self.DEFAULT_MINI_BATCH_SIZE, batch_size)
-        _check(
+        check(
             batch_size % size == 0,
             f"starpo.mini_batch_size={size} does not divide the batch of {batch_size} trajectories; "
             f"allowed mini_batch_size values: {_divisors(batch_size)} (or set num_mini_batches).",
@@ -354,7 +300,7 @@ class StarPOConfig:
     def micro_batch_layout(self, mini_batch_size: int) -> tuple[int, int]:
         """(num_micro_batches, micro_batch_size) inside one mini-batch."""
         size = min(self.micro_batch_size or mini_batch_size, mini_batch_size)
-        _check(
+        check(
             mini_batch_size % size == 0,
             f"starpo.micro_batch_size={size} does not divide the mini-batch of {mini_batch_size} trajectories; "
             f"allowed micro_batch_size values: {_divisors(mini_batch_size)}.",
@@ -393,24 +339,22 @@ class FilterConfig:
         return section_from_dict(cls, "filter", values)
 
     def __post_init__(self):
-        from ragen_jax.starpo import snr_filter
-
         s = "filter"
         snr_filter.FILTER_STRATEGIES.validate(self.strategy)
         snr_filter.FILTER_TYPES.validate(self.filter_type)
         snr_filter.TOP_P_MODES.validate(self.top_p_mode)
         snr_filter.GROUP_SCORES.validate(self.metric)
         snr_filter.LOSS_SCALINGS.validate(self.loss_scaling)
-        _check_number(s, "value", self.value)
-        _check_number(s, "eps", self.eps)
-        _check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
-        _check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
-        _check_int(s, "dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
+        check_number(s, "value", self.value)
+        check_number(s, "eps", self.eps)
+        check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
+        check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
+        check_int(s, "dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
         # Settings that would keep no group at all, so every update would be skipped in silence.
-        _check(not (self.strategy == "top_p" and self.value <= 0),
+        check(not (self.strategy == "top_p" and self.value <= 0),
                f"{s}.value={self.value!r} with {s}.strategy='top_p' keeps no group (the kept share of the reward "
                "spread); use a value in (0, 1] (1.0 keeps every group).")
-        _check(not (self.strategy == "min_p" and self.value > 1),
+        check(not (self.strategy == "min_p" and self.value > 1),
                f"{s}.value={self.value!r} with {s}.strategy='min_p' keeps no group (it keeps groups whose score is "
                "at least value x the best one's); use a value in [0, 1].")
 
@@ -450,22 +394,22 @@ class CollapseConfig:
 
     def __post_init__(self):
         s = "collapse"
-        _check_int(s, "compute_freq", self.compute_freq, 1)
-        _check_int(s, "num_samples", self.num_samples, 2)
-        _check_int(s, "baseline_steps", self.baseline_steps, 1)
-        _check_int(s, "micro_batch_size", self.micro_batch_size, 1)
+        check_int(s, "compute_freq", self.compute_freq, 1)
+        check_int(s, "num_samples", self.num_samples, 2)
+        check_int(s, "baseline_steps", self.baseline_steps, 1)
+        check_int(s, "micro_batch_size", self.micro_batch_size, 1)
         if self.max_reasoning_tokens is not None:
-            _check_int(s, "max_reasoning_tokens", self.max_reasoning_tokens, 1)
-        _check(
+            check_int(s, "max_reasoning_tokens", self.max_reasoning_tokens, 1)
+        check(
             isinstance(self.ema, (int, float)) and 0.0 <= self.ema < 1.0,
             f"{s}.ema must be in [0, 1), got {self.ema!r}.",
         )
-        _check_number(s, "std_eps", self.std_eps, 0.0, strict=True)
+        check_number(s, "std_eps", self.std_eps, 0.0, strict=True)
         for name in ("regime_mi_ratio", "regime_entropy_ratio"):
             value = getattr(self, name)
-            _check(
+            check(
                 isinstance(value, (int, float)) and 0.0 < value <= 1.0,
                 f"{s}.{name} must be in (0, 1], got {value!r}.",
             )
         for name in ("first_turn_enabled", "trajectory_enabled", "prefix_cache"):
-            _check(isinstance(getattr(self, name), bool), f"{s}.{name} must be True or False.")
+            check(isinstance(getattr(self, name), bool), f"{s}.{name} must be True or False.")
