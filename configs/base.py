@@ -80,17 +80,17 @@ def get_config() -> ConfigDict:
     # local HF directory (Qwen presets) or GGUF file; tiny: the from-scratch preset's dimensions.
     c.model = dataclass_section(ModelSection)
 
-    # --- rollout (spec §0 step 2) --------------------------------------------------------------
+    # --- rollout --------------------------------------------------------------
     c.rollout = dataclass_section(RolloutConfig, num_groups=8, group_size=16, max_turns=5,
                                   max_actions_per_turn=2, max_actions_per_traj=10, temperature=1.0,
                                   format_penalty=-0.1, max_new_tokens=400, max_seq_len=4096)
 
-    # --- StarPO (spec §5.6) ------------------------------------------------------------------------
+    # --- StarPO ------------------------------------------------------------------------
     c.starpo = dataclass_section(StarPOConfig, adv_estimator="gae", gamma=1.0, lam=1.0, clip_ratio_low=0.2,
                                  clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=0.001,
                                  use_kl_loss=False, kl_coef=0.0, loss_agg_mode="token-mean", ppo_epochs=1,
                                  mini_batch_size=32, grad_clip=1.0, weight_decay=0.01)
-    # Placeholders: resolved from the preset (1e-6 / 1e-5 for pretrained models, spec §5.6).
+    # Placeholders: resolved from the preset (1e-6 / 1e-5 for pretrained models).
     c.starpo.actor_lr = config_dict.placeholder(float)
     c.starpo.critic_lr = config_dict.placeholder(float)
     c.filter = dataclass_section(FilterConfig)
@@ -100,7 +100,7 @@ def get_config() -> ConfigDict:
     c.trainer = dataclass_section(TrainerConfig)
     # Behaviour-cloning warm-up on solver demonstrations (both step counts 0 = no warm-up).
     c.warmup = dataclass_section(WarmupConfig)
-    # Fixed validation puzzles (spec §4.9): the same seeds at every evaluation.
+    # Fixed validation puzzles: the same seeds at every evaluation.
     c.eval = dataclass_section(EvalConfig)
     # Device mesh (data × fsdp × tensor = all devices; default: data parallel over every device).
     c.mesh = dataclass_section(MeshConfig)

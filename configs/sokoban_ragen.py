@@ -1,4 +1,4 @@
-"""Sokoban 6×6 with one box (RAGEN's SimpleSokoban) with RAGEN's training defaults (spec §0, §5.6):
+"""Sokoban 6×6 with one box (RAGEN's SimpleSokoban) with RAGEN's training defaults:
 8 groups × 16 episodes, 5 turns of up to 400 tokens, GAE with a critic — the settings for real
 models on accelerators (``configs/sokoban.py`` is the one that learns on a 2-core CPU).
 

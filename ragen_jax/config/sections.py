@@ -110,7 +110,7 @@ class TrainerConfig:
     eval_before_train: bool = True
     progress_bar: bool = True
     stop_on_empty_filter: bool = True  # filter.empty_stop_steps consecutive empty batches
-    stop_on_reward_collapse: bool = False  # spec §5.1.6
+    stop_on_reward_collapse: bool = False  # RAGEN's reward-variance collapse stop
     reward_collapse_baseline_steps: int = 10
     reward_collapse_window: int = 10
     reward_collapse_ratio: float = 0.1
@@ -182,7 +182,7 @@ class WarmupConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """``config.eval``: validation on fixed puzzles (spec §4.9, ``training.evaluate``).
+    """``config.eval``: validation on fixed puzzles (``training.evaluate``).
 
     Seeds ``validation_seed ... + num_episodes - 1``, the same at every evaluation; each puzzle
     attempted ``pass_k`` times at ``temperature`` (0 = greedy). ``checkpoint_step``: in eval mode,

@@ -24,7 +24,7 @@ def _divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class StarPOConfig:
-    """The update step: advantages, PPO loss, optimisation (spec §5.2–§5.6).
+    """The update step: advantages, PPO loss, optimisation.
 
     Advantages: ``adv_estimator`` (registry ``ADVANTAGE_ESTIMATORS``: gae, bilevel_gae, grpo, drgrpo);
       ``norm_adv_by_std=False`` with ``grpo`` is Dr. GRPO (the original's ``norm_adv_by_std_in_grpo``;
@@ -34,7 +34,7 @@ class StarPOConfig:
       the (normalised) episode score is credited at the last sampled token (the original's default);
       ``use_turn_scores=True`` instead keeps each turn's reward at that turn's last token (format
       penalties included), which needs ``reward_norm='identity'``;
-      ``length_weighting``: GRPO length weight (§5.3.3).
+      ``length_weighting``: GRPO length weight.
     Loss: ``policy_loss`` (registry ``POLICY_LOSSES``), PPO clip ``clip_ratio_low/high`` and dual clip
       ``clip_ratio_c``; ``entropy_coeff``; KL as a loss term (``use_kl_loss``, ``kl_coef``, ``kl_type``)
       and/or in the reward (``kl_in_reward``, fixed coefficient ``kl_in_reward_coef``);
@@ -310,13 +310,13 @@ class StarPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FilterConfig:
-    """The SNR filter over groups (spec §6). Defaults keep every group (top-p 1.0, include_zero).
+    """The SNR filter over groups. Defaults keep every group (top-p 1.0, include_zero).
 
     ``strategy`` (top_p | top_k | top_k_abs | min_p, registry ``FILTER_STRATEGIES``), ``value`` its
     parameter, ``filter_type`` largest (keep high scores) | smallest, ``include_zero`` keep groups whose
     score is 0, ``top_p_mode`` linear | softmax, ``eps`` the selection slack, ``metric`` the per-group
     score (registry ``GROUP_SCORES``; reward_variance is the group's reward std), ``loss_scaling``
-    none | linear | sqrt (scale advantages by the kept ratio, §5.3.2), ``empty_stop_steps``: this many
+    none | linear | sqrt (scale advantages by the kept ratio), ``empty_stop_steps``: this many
     consecutive updates with nothing left after filtering raise the early-stop signal.
     ``dynamic_sampling_rounds`` (DAPO's dynamic sampling; 0 = off): after the rollout, up to this many
     more rollout rounds refill the batch with groups whose rewards differ, until it holds
@@ -361,7 +361,7 @@ class FilterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CollapseConfig:
-    """Collapse diagnostics, the MI proxy (spec §7).
+    """Collapse diagnostics, the MI proxy.
 
     Computed inside the update at global step 1 and every ``compute_freq`` steps on the pre-filter
     batch: ``first_turn_enabled`` / ``trajectory_enabled`` select the two pair samples, each of

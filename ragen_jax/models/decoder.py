@@ -446,7 +446,7 @@ class Critic(nnx.Module):
 
     The trunk is a Decoder without an LM head (with untied embeddings that is a [D, V] matrix, e.g.
     545M of Qwen2.5-7B's parameters, plus its two AdamW moments, that a critic never uses);
-    ``init_trunk_from(policy)`` starts it from a policy's weights (spec §5.5). values: float32
+    ``init_trunk_from(policy)`` starts it from a policy's weights. values: float32
     [B, T], value of the state ending at token t.
     """
 

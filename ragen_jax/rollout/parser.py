@@ -1,4 +1,4 @@
-"""The reply parser, on device: bytes → actions (RAGEN's ``_parse_response`` rules, spec §4.4).
+"""The reply parser, on device: bytes → actions (RAGEN's ``_parse_response`` rules).
 
 Rules (the original's, stated on bytes):
   1. The reply text is the forced prefix (``<think>``) followed by the sampled reply, special tokens

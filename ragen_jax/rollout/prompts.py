@@ -1,6 +1,6 @@
 """The text the agent reads: system message, per-turn user blocks, reward messages, warning.
 
-RAGEN's prompt (spec §4.2), with its bugs fixed:
+RAGEN's prompt, with its bugs fixed:
   * the instruction, the symbol legend and the action list come from the environment actually
     configured (``env.instruction_text``, ``env.legend()``, ``env.action_names``), not from
     dataclass defaults (so the coordinate range in Sokoban's / FrozenLake's coordinate hint is

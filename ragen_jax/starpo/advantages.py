@@ -61,9 +61,11 @@ def align_to_targets(per_position: Array) -> Array:
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
-    """Scalar mean of ``x`` over ``mask`` (any shape); 0 when the mask is empty."""
-    mask = mask.astype(x.dtype)
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    """Scalar mean of ``x`` over ``mask`` (any shape; bool, or float weights); 0 when the mask is
+    empty. Masked-out entries never reach the sum, so a NaN or inf there cannot leak in. The one
+    masked mean of ``starpo`` (losses and collapse diagnostics use it too)."""
+    m = mask.astype(jnp.result_type(x.dtype, jnp.float32))
+    return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def masked_whiten(x: Array, mask: Array, eps: float = WHITEN_EPS) -> Array:
@@ -221,7 +223,7 @@ def _reverse_scan(step, carry, xs):
 
 def gae(token_rewards, values, loss_mask, turn_ids=None, *, group_size=1, gamma=1.0, lam=1.0,
         high_level_gamma=0.95, **_):
-    """Generalised advantage estimation over the sampled tokens (masked-carry rule, spec §5.2).
+    """Generalised advantage estimation over the sampled tokens (masked-carry rule).
 
     Backwards over ``t = L-1 … 0`` with carries ``next_v`` and ``gae`` (both 0 at the end):
 
@@ -364,7 +366,7 @@ def rloo(token_rewards, values, loss_mask, turn_ids=None, *, group_size, gamma=1
 
 
 def soft_advantage_weights(scores: Array, group_size: int) -> Array:
-    """Per-row weights of the GRPO soft advantage reweighting (spec §5.3.1): ``w_g = std_g / (max_g std_g + 1e-6)``.
+    """Per-row weights of the GRPO soft advantage reweighting: ``w_g = std_g / (max_g std_g + 1e-6)``.
 
     ``std_g`` is the unbiased std of the group's episode scores (1.0 for groups of one, as in the
     original). Multiply the advantages by ``weights[:, None]``: groups whose outcomes barely differ
@@ -623,7 +625,7 @@ for _name, _est in (
 
 
 def length_weight(advantages: Array, loss_mask: Array) -> Array:
-    """GRPO length weighting (spec §5.3.3): ``A_i <- A_i / ((n_i + 1e-6) / mean_j n_j)``, ``n_i = sum_t m_{i,t}``.
+    """GRPO length weighting: ``A_i <- A_i / ((n_i + 1e-6) / mean_j n_j)``, ``n_i = sum_t m_{i,t}``.
 
     Longer responses get proportionally smaller per-token advantages, so every episode carries about
     the same total weight under token-mean aggregation. The mean runs over the rows that train

@@ -1,4 +1,4 @@
-"""Collapse diagnostics: the MI proxy of RAGEN-2 (spec §7), computed inside the compiled update step.
+"""Collapse diagnostics: the MI proxy of RAGEN-2, computed inside the compiled update step.
 
 Reasoning collapse is read off a cross-scoring experiment. Take reasoning spans ``z_i`` sampled by the
 policy and the prompts ``x_j`` they could have come from; score every ``z_i`` under every ``x_j`` with
@@ -10,7 +10,7 @@ information ``I(X; Z) = H(Z) - H(Z|X)`` against a uniform mixture over the sampl
   * Z = ``tokens[reasoning_start:reasoning_end]`` — the sampled reasoning content without its tags
     (the exact tokens the policy emitted, never re-tokenised text).
 
-Two pair samples (§7.2), both with static shapes:
+Two pair samples, both with static shapes:
   * first-turn: up to ``num_samples`` first-turn reasoning spans drawn without replacement; a column
     is an env group (all members of a group share the same first prompt), ``N`` = number of distinct
     groups in the sample;
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ragen_jax.rollout.trajectory import Trajectory
+from ragen_jax.starpo.advantages import masked_mean
 
 # Regime codes (see ``classify_regime``).
 REGIME_BASELINE = -1  # baseline still being measured
@@ -115,7 +116,7 @@ def should_compute(step: jax.Array, compute_freq: int) -> jax.Array:
 
 
 def valid_reasoning(traj: Trajectory) -> jax.Array:
-    """bool [B, T]: turn took place and its reasoning span is non-empty (§7.1: empty reasoning excluded)."""
+    """bool [B, T]: turn took place and its reasoning span is non-empty (empty reasoning excluded)."""
     return traj.turn_mask & (traj.reasoning_end > traj.reasoning_start)
 
 
@@ -170,7 +171,7 @@ def sample_trajectory_uniform(key: jax.Array, traj: Trajectory, num_samples: int
     """Trajectory-uniform pairs: ``num_samples`` slots, the first ``min(num_samples, #valid turns)`` real.
 
     Each draw picks a trajectory uniformly among those with at least one valid turn, then one of its
-    valid turns uniformly (with replacement, §7.2). Every draw is its own column.
+    valid turns uniformly (with replacement). Every draw is its own column.
 
     ``episode_ids`` int32 [rows]: the rows are turns of those episodes (``turn_rows``, one turn per
     row); a row is then drawn with probability 1 / (#episodes with a valid turn × #valid turns of
@@ -206,7 +207,7 @@ def sample_trajectory_uniform(key: jax.Array, traj: Trajectory, num_samples: int
 
 
 def column_equivalence(traj: Trajectory, sample: PairSample) -> jax.Array:
-    """bool [N, N]: columns whose prompts are identical token sequences ("signatures", §7.4)."""
+    """bool [N, N]: columns whose prompts are identical token sequences ("signatures")."""
     ends = traj.prompt_end[sample.x_rows, sample.x_turns]
     rows_a = sample.x_rows[:, None]
     rows_b = sample.x_rows[None, :]
@@ -232,7 +233,7 @@ def cross_logprob_matrix(
     max_reasoning_tokens: int,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Teacher-forced log-prob of every reasoning z_i under every prompt x_j (§7.3).
+    """Teacher-forced log-prob of every reasoning z_i under every prompt x_j.
 
     For each pair the sequence ``[x_j | z_i]`` is gathered into a right-padded buffer of static length
     ``L + max_reasoning_tokens`` (positions 0..len-1) and scored with ``logprob_fn``. The ``S * N``
@@ -282,10 +283,6 @@ def cross_logprob_matrix(
 # Estimates from the matrix
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-
-
 def _marginal(l: jax.Array, x_valid: jax.Array, num_cols: jax.Array) -> jax.Array:
     """float32 [S]: log of the uniform prompt mixture, logsumexp over valid columns − log N."""
     masked = jnp.where(x_valid[None, :], l, -jnp.inf)
@@ -304,7 +301,7 @@ def mi_estimates(
     ema: float,
     std_eps: float,
 ) -> tuple[dict[str, jax.Array], MIState]:
-    """The §7.4 estimates for both ℓ_mean (per token) and ℓ_sum (``_seq``) from one cross matrix.
+    """The estimates for both ℓ_mean (per token) and ℓ_sum (``_seq``) from one cross matrix.
 
     Args:
       l_sum, l_mean: float32 [S, N] cross log-probs.
@@ -326,10 +323,10 @@ def mi_estimates(
     for suffix, l, ema_prev in (("", l_mean, state.ema_std), ("_seq", l_sum, state.ema_std_seq)):
         matched = l[rows, true_col]
         marginal = _marginal(l, x_valid, num_cols)
-        matched_mean = _masked_mean(matched, z_valid)
-        marginal_mean = _masked_mean(marginal, z_valid)
+        matched_mean = masked_mean(matched, z_valid)
+        marginal_mean = masked_mean(marginal, z_valid)
         gap = matched - marginal
-        std = jnp.sqrt(_masked_mean(jnp.square(marginal - marginal_mean), z_valid))  # population std
+        std = jnp.sqrt(masked_mean(jnp.square(marginal - marginal_mean), z_valid))  # population std
         ema_std = jnp.where(state.ema_initialised, ema * ema_prev + (1.0 - ema) * std, std)
         new_ema[suffix] = ema_std
         out[f"mi{suffix}_estimate"] = matched_mean - marginal_mean
@@ -338,9 +335,9 @@ def mi_estimates(
         out[f"conditional_entropy{suffix}_est"] = -matched_mean
         out[f"reasoning_entropy{suffix}_est"] = -marginal_mean
         out[f"marginal_std{suffix}"] = std
-        out[f"mi_zscore{suffix}"] = _masked_mean(gap / (std + std_eps), z_valid)
+        out[f"mi_zscore{suffix}"] = masked_mean(gap / (std + std_eps), z_valid)
         out[f"marginal_std_ema{suffix}"] = ema_std
-        out[f"mi_zscore_ema{suffix}"] = _masked_mean(gap / (ema_std + std_eps), z_valid)
+        out[f"mi_zscore_ema{suffix}"] = masked_mean(gap / (ema_std + std_eps), z_valid)
     out["mi_upper_bound"] = jnp.log(n_f)
 
     out.update(_retrieval_metrics(l_mean, z_valid, x_valid, true_col, col_equiv, num_cols))
@@ -370,15 +367,15 @@ def _retrieval_metrics(l_mean, z_valid, x_valid, true_col, col_equiv, num_cols) 
     _, top = jax.lax.top_k(masked, k_static)  # [S, k_static], best first
     hit = col_equiv[top, true_col[:, None]]  # [S, k_static]
     same_sig = jnp.sum(col_equiv[true_col] & x_valid[None, :], axis=1)  # columns sharing z_i's signature
-    chance = _masked_mean(same_sig / n_f, z_valid)
-    acc1 = _masked_mean(hit[:, 0].astype(jnp.float32), z_valid)
+    chance = masked_mean(same_sig / n_f, z_valid)
+    acc1 = masked_mean(hit[:, 0].astype(jnp.float32), z_valid)
     out["retrieval_accuracy"] = acc1
     out["retrieval_chance_level"] = chance
     out["retrieval_above_chance"] = acc1 - chance
     for k in RETRIEVAL_KS:
         k_eff = jnp.minimum(k, jnp.minimum(8, num_cols))
         in_top = jnp.arange(k_static)[None, :] < k_eff
-        acc = _masked_mean(jnp.any(hit & in_top, axis=1).astype(jnp.float32), z_valid)
+        acc = masked_mean(jnp.any(hit & in_top, axis=1).astype(jnp.float32), z_valid)
         chance_k = jnp.minimum(1.0, chance * k_eff)
         out[f"retrieval_accuracy@{k}"] = acc
         out[f"retrieval_chance_level@{k}"] = chance_k
@@ -503,7 +500,7 @@ def _diagnose_sample(
     )
     metrics["regime"] = regime
     metrics["prompts_consistent"] = sample.consistent.astype(jnp.float32)
-    metrics["reasoning_truncated_fraction"] = _masked_mean(
+    metrics["reasoning_truncated_fraction"] = masked_mean(
         (z_len > max_z).astype(jnp.float32), sample.z_valid
     )
     return metrics, state

@@ -107,7 +107,7 @@ def make_gradient_analysis(graphdefs, cfg: StarPOConfig, filter_cfg: FilterConfi
     def measure(state, data, row_mask):
         """Gradient norms and values of each term over the rows ``row_mask`` (one forward, one VJP per term)."""
         mask = data["loss_mask"] & row_mask[:, None]
-        values, vjp = jax.vjp(lambda p: terms(p, state.rest[0], data, mask), state.params)
+        values, vjp = jax.vjp(lambda p: terms(p, state.policy_rest, data, mask), state.params)
         out = {}
         for name, value in values.items():
             cot = {k: jnp.asarray(1.0 if k == name else 0.0, v.dtype) for k, v in values.items()}

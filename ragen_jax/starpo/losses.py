@@ -11,7 +11,7 @@ denominator)`` whose denominators depend on the masks only, so for a batch split
 
 The update step computes ``D = sum_i loss_denominator(mask_i, mode)`` once, then differentiates
 ``numerator_i / D`` on each micro-batch and adds the gradients: the accumulated gradient is the
-full-batch gradient (not the original's per-micro-batch token-mean, spec §5.4 ⚠).
+full-batch gradient (not the original's per-micro-batch token-mean).
 
 A full actor objective is assembled as (each term aggregated with the same mode):
 
@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from ragen_jax.starpo.advantages import masked_mean
 from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
@@ -39,11 +40,6 @@ def _check_shapes(what: str, **arrays) -> None:
     if len(set(shapes.values())) > 1 or any(len(s) != 2 for s in shapes.values()):
         listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
         raise ValueError(f"{what}: expected arrays of one [B, L] shape, got {listed}.")
-
-
-def _masked_mean(x: Array, mask: Array) -> Array:
-    m = mask.astype(jnp.float32)
-    return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +157,7 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 @POLICY_LOSSES.register("ppo", "vanilla")
 def ppo_clip_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
                   clip_ratio_c=3.0, **_):
-    """PPO clipped surrogate with asymmetric clip range and dual clip (spec §5.4).
+    """PPO clipped surrogate with asymmetric clip range and dual clip.
 
         delta = clamp(logp - old_logp, -20, 20);  rho = exp(delta)
         L1 = -A rho;  L2 = -A clip(rho, 1 - eps_low, 1 + eps_high);  Lc = max(L1, L2)
@@ -190,18 +186,18 @@ def ppo_clip_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
         loss = jnp.where(advantages < 0, jnp.minimum(loss_max, loss_dual), loss_max)
     mask = loss_mask.astype(bool)
     metrics = {
-        "pg_clipfrac": _masked_mean((loss_clipped > loss_unclipped).astype(jnp.float32), mask),
-        "pg_clipfrac_lower": _masked_mean(dual_binds.astype(jnp.float32), mask),
-        "ppo_kl": _masked_mean(-log_ratio, mask),
+        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).astype(jnp.float32), mask),
+        "pg_clipfrac_lower": masked_mean(dual_binds.astype(jnp.float32), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
     }
     return jnp.where(mask, loss, 0.0), metrics
 
 
 def _ratio_metrics(log_ratio, mask, clipfrac=None, clipfrac_lower=None):
     zero = jnp.zeros((), jnp.float32)
-    return {"pg_clipfrac": zero if clipfrac is None else _masked_mean(clipfrac.astype(jnp.float32), mask),
-            "pg_clipfrac_lower": zero if clipfrac_lower is None else _masked_mean(clipfrac_lower.astype(jnp.float32), mask),
-            "ppo_kl": _masked_mean(-log_ratio, mask)}
+    return {"pg_clipfrac": zero if clipfrac is None else masked_mean(clipfrac.astype(jnp.float32), mask),
+            "pg_clipfrac_lower": zero if clipfrac_lower is None else masked_mean(clipfrac_lower.astype(jnp.float32), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 def _row_mean(x, mask):
@@ -256,7 +252,7 @@ def gpg_loss(logp, old_logp, advantages, loss_mask, **_):
 def _covariance(advantages, logp, mask):
     """Per-token centred product ``(A - mean A)(logp - mean logp)`` over the mask (no gradient)."""
     logp = jax.lax.stop_gradient(logp)
-    return (advantages - _masked_mean(advantages, mask)) * (logp - _masked_mean(logp, mask))
+    return (advantages - masked_mean(advantages, mask)) * (logp - masked_mean(logp, mask))
 
 
 @POLICY_LOSSES.register("clip_cov")
@@ -309,7 +305,7 @@ def kl_cov_loss(logp, old_logp, advantages, loss_mask, *, kl_cov_ratio=0.0002, p
     abs_kl = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
     loss = jnp.where(top, l1 + ppo_kl_coef * abs_kl, l1)
     metrics = _ratio_metrics(log_ratio, mask)
-    metrics["ppo_kl"] = _masked_mean(jnp.abs(log_ratio), mask)
+    metrics["ppo_kl"] = masked_mean(jnp.abs(log_ratio), mask)
     return jnp.where(mask, loss, 0.0), metrics
 
 
@@ -452,7 +448,7 @@ def kl_penalty(name: str, logp: Array, ref_logp: Array) -> Array:
 
 
 def apply_kl_in_reward(token_rewards, logp, ref_logp, loss_mask, *, beta, estimator="kl"):
-    """KL-in-reward shaping ``r <- r - beta * kl * m`` (spec §5.4).
+    """KL-in-reward shaping ``r <- r - beta * kl * m``.
 
     Returns ``(rewards [B, L], current_kl)`` where ``current_kl`` is the batch mean of per-sequence
     token-mean KL (rows without sampled tokens excluded) — the quantity the adaptive controller reads.
@@ -489,8 +485,8 @@ def value_loss(values, old_values, returns, loss_mask, *, cliprange_value=0.5):
     loss_clipped = jnp.square(v_clipped - returns)
     mask = loss_mask.astype(bool)
     metrics = {
-        "vf_clipfrac": _masked_mean((loss_clipped > loss_plain).astype(jnp.float32), mask),
-        "vpred_mean": _masked_mean(values, mask),
+        "vf_clipfrac": masked_mean((loss_clipped > loss_plain).astype(jnp.float32), mask),
+        "vpred_mean": masked_mean(values, mask),
     }
     return jnp.where(mask, 0.5 * jnp.maximum(loss_plain, loss_clipped), 0.0), metrics
 

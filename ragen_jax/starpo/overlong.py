@@ -1,4 +1,4 @@
-"""DAPO's handling of over-long replies (Yu et al., 2025, §3.4): a soft length penalty added to the
+"""DAPO's handling of over-long replies (Yu et al., 2025): a soft length penalty added to the
 reward, and a filter that keeps cut-off episodes out of the update.
 
 In a multi-turn episode each turn's reply is one DAPO "response": its length is the number of tokens

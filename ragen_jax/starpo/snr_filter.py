@@ -1,4 +1,4 @@
-"""SNR-adaptive rollout filter (RAGEN-2, spec §6): keep the groups whose rewards still carry signal.
+"""SNR-adaptive rollout filter (RAGEN-2): keep the groups whose rewards still carry signal.
 
 Each group of ``group_size`` rollouts from one initial state gets a score — by default the spread of
 its episode scores (``reward_variance``, which, like the original, is the *standard deviation* with
@@ -99,7 +99,7 @@ def _keep_top(num_keep: Array, scores: Array, eligible: Array, largest: bool) ->
 
 
 def _top_p_linear(scores, eligible, value, largest, eps):
-    """The original's cumulative walk over sorted scores (spec §6.2, linear mode).
+    """The original's cumulative walk over sorted scores (linear mode).
 
     threshold = value * sum(scores) - eps. Walk best-first: stop once cum >= threshold, stop at the
     first score <= 0, else add the score. Keep the walked prefix iff cum >= threshold, else nothing.
@@ -203,7 +203,7 @@ def weighted(scores, eligible, *, value=1.0, largest=True, top_p_mode="linear", 
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss scaling by kept fraction (spec §5.3.2) — the one place it is defined
+# Loss scaling by kept fraction — the one place it is defined
 # ---------------------------------------------------------------------------------------------
 
 LOSS_SCALINGS: Registry[Callable[[Array], Array]] = Registry("filter loss scaling")
@@ -233,7 +233,7 @@ class FilterResult:
     kept_count: Array  # int32 []: groups with weight > 0
     kept_ratio: Array  # float32 []: kept_count / G
     is_empty: Array  # bool []: nothing kept -> the update step must skip this batch
-    metrics: dict  # name -> float32 [] (spec §6.4 names, "rollout/" prefix)
+    metrics: dict  # name -> float32 [] (RAGEN names, "rollout/" prefix)
 
 
 def _group_stats(matrix: Array) -> dict[str, Array]:

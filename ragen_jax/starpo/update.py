@@ -4,7 +4,7 @@
     update = make_update_step(graphdefs, starpo_cfg, filter_cfg, collapse_cfg, group_size=16)
     state, metrics = update(state, trajectory)           # or update(state, trajectory, key)
 
-Inside that one compiled function, top to bottom (spec §5.1):
+Inside that one compiled function, top to bottom:
 
   1. old log-probs of the sampled tokens under the current policy (at the rollout's temperature, recomputed, compared
      with the sampler's), reference log-probs when a KL term is used, critic values;
@@ -13,12 +13,12 @@ Inside that one compiled function, top to bottom (spec §5.1):
   4. episode scores → reward normalisation → (optional KL-in-reward) → advantages and returns;
   5. ``ppo_epochs`` × mini-batches (``lax.scan``), each an optimizer step whose gradient is
      accumulated over micro-batches (``lax.scan``) from (numerator, denominator) losses, so
-     token-mean stays exact under accumulation (not the original's per-micro-batch mean, §5.4 ⚠):
+     token-mean stays exact under accumulation (not the original's per-micro-batch mean):
      clipped policy loss − entropy bonus + KL loss, and the clipped value loss on the critic. Rows
      are permuted so the kept ones come first: mini-batches made only of filtered-out rows have no
      token and are skipped, so the number of optimizer steps follows the kept batch; a last, partly
      filled mini-batch is averaged over its own tokens (the original instead pads the batch with
-     duplicated samples, §5.1 ⚠, which biases group statistics);
+     duplicated samples, which biases group statistics);
   6. global-norm clipping → AdamW with linear warm-up; a non-finite gradient, a mini-batch with no
      kept token, or a batch the filter emptied leaves parameters and optimizer state untouched and is
      counted;
@@ -79,6 +79,24 @@ class TrainState:
     consecutive_empty: jax.Array  # int32 [] consecutive updates the SNR filter left empty
     num_empty_skipped: jax.Array  # int32 [] updates skipped because the filter kept nothing
     num_nonfinite_skipped: jax.Array  # int32 [] optimizer steps skipped for a non-finite gradient
+
+    # ``rest`` stays a plain (policy, critic, reference) tuple so checkpoints keep their layout; these
+    # name its parts.
+    @property
+    def policy_rest(self) -> PyTree:
+        """The policy's non-Param state; with LoRA the frozen pretrained base (``params`` holds the adapters)."""
+        return self.rest[0]
+
+    @property
+    def critic_rest(self) -> PyTree:
+        return self.rest[1]
+
+    @property
+    def reference_rest(self) -> PyTree:
+        return self.rest[2]
+
+    def with_policy_rest(self, policy_rest: PyTree) -> "TrainState":
+        return self.replace(rest=(policy_rest,) + tuple(self.rest[1:]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -404,7 +422,7 @@ def diagnose_collapse(graphdefs: Graphdefs, cfg: StarPOConfig, collapse_cfg: Col
                       traj: Trajectory, rows, key: jax.Array, num_groups: int):
     """Stage 2: the MI proxy on the pre-filter batch, scored by the policy before this update
     (computed on the steps ``collapse.should_compute`` picks). -> ``(metrics, collapse state)``."""
-    policy = nnx.merge(graphdefs.policy, state.params, state.rest[0])
+    policy = nnx.merge(graphdefs.policy, state.params, state.policy_rest)
     chunk = cfg.logprob_chunk_size
     cross_fn = make_prefix_cached_cross_scorer(policy, logprob_chunk_size=chunk) if collapse_cfg.prefix_cache else None
     return collapse_lib.maybe_collapse_metrics(make_logprob_fn(policy, chunk_size=chunk), traj, state.collapse, key,
@@ -552,7 +570,7 @@ def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_c
         "rollout/empty_after_filter": empty.astype(jnp.float32),
         "rollout/consecutive_empty_after_filter_steps": consecutive_empty.astype(jnp.float32),
         "rollout/empty_after_filter_total": num_empty.astype(jnp.float32),
-        "early_stopped/empty_filtered_steps": (consecutive_empty >= filter_cfg.empty_stop_steps).astype(jnp.float32),
+        "early_stop/empty_filter": (consecutive_empty >= filter_cfg.empty_stop_steps).astype(jnp.float32),
     }
     return updates, metrics
 
@@ -759,9 +777,6 @@ def make_update_step(
             "train/num_mini_batches": jnp.float32(num_mini * cfg.ppo_epochs),
             "train/batch_size": jnp.float32(batch),
             "train/kept_rows": jnp.sum(kept).astype(jnp.float32),
-            "train/response_length/mean": jnp.mean(traj.response_length.astype(jnp.float32)),
-            "train/episode_return/mean": jnp.mean(traj.episode_return),
-            "train/success_rate": jnp.mean(traj.success.astype(jnp.float32)),
         })
         new_state = state.replace(params=params, opt_state=opt_state, critic_params=c_params,
                                   critic_opt_state=c_opt, key=next_key, collapse=collapse_state, **counters)

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (Yu et al., 2025, §3.2): over-sample, keep the groups whose rewards differ.
+"""DAPO's dynamic sampling (Yu et al., 2025): over-sample, keep the groups whose rewards differ.
 
 A group whose episodes all scored the same gives every group-relative estimator a zero advantage,
 so an update that rests on a handful of informative groups is mostly noise from the regularisers.

@@ -1,4 +1,4 @@
-"""Evaluation on fixed validation puzzles: success, pass@k, JSONL transcripts (spec §4.9).
+"""Evaluation on fixed validation puzzles: success, pass@k, JSONL transcripts.
 
 The validation set is ``eval.num_episodes`` env reset keys from ``validation_keys(n, seed)`` —
 the same puzzles at every evaluation and in every run with the same ``eval.validation_seed``.

@@ -1,6 +1,6 @@
 """TensorBoard logging: scalars by family, sample transcripts, the MI-vs-entropy quadrant image.
 
-Metric names are ``family/name``. The families a training run writes (spec §4.6, §5.4–5.5, §6.4, §7):
+Metric names are ``family/name``. The families a training run writes:
 
     train/       success, pass@k, return, lengths, valid / effective action rates
     rollout/     SNR filter metrics (in-group reward std, kept ratio, empty-after-filter, ...)

@@ -1,4 +1,4 @@
-"""Episode metrics of a rollout batch (spec §4.6) and the host-side early-stop signals (spec §5.1).
+"""Episode metrics of a rollout batch and the host-side early-stop signals.
 
 ``rollout_metrics`` is a pure jitted function of the ``Trajectory``; ``EarlyStop`` keeps the few
 host counters the three stop signals need and serialises them for checkpoints (exact resume).
@@ -61,10 +61,10 @@ def _window_length_max(traj: Trajectory) -> jax.Array:
 class EarlyStop:
     """Three early-stop signals, always computed and logged; stopping is optional (config.trainer).
 
-    * empty filter: ``consecutive_empty`` batches left empty by the SNR filter (spec §5.1.4), as
+    * empty filter: ``consecutive_empty`` batches left empty by the SNR filter, as
       the update step counts them (``TrainState.consecutive_empty``, its
       ``rollout/consecutive_empty_after_filter_steps`` metric): one counter, on the device;
-    * reward-variance collapse (spec §5.1.6): baseline = mean in-group reward std over the first
+    * reward-variance collapse: baseline = mean in-group reward std over the first
       ``baseline_steps`` non-empty steps; collapse when ``window`` consecutive later steps are all
       below ``ratio`` × baseline;
     * MI collapse: the MI proxy below ``mi_ratio`` × its baseline (mean of the first
@@ -91,7 +91,8 @@ class EarlyStop:
 
     def update(self, *, consecutive_empty: int, reward_std: float, episode_return: float, mi: float | None) -> dict:
         """Feed one training step (``consecutive_empty``: the update's counter, 0 = this batch kept
-        something); returns the ``early_stop/*`` metrics (flags as 0/1)."""
+        something); returns the ``early_stop/*`` metrics (flags as 0/1; the empty-filter signal's
+        flag, ``early_stop/empty_filter``, and counter come from the update step)."""
         self.consecutive_empty = int(consecutive_empty)
         empty = self.consecutive_empty > 0
         self.return_history.append(float(episode_return))
@@ -111,7 +112,6 @@ class EarlyStop:
                 self.mi_below = self.mi_below + 1 if (low and (not self.mi_needs_plateau or self._plateau())) else 0
                 mi_collapse = self.mi_below >= self.mi_window
         return {
-            "early_stop/consecutive_empty_after_filter_steps": float(self.consecutive_empty),
             "early_stop/reward_variance_below_steps": float(self.rv_below),
             "early_stop/reward_variance_collapse": float(rv_collapse),
             "early_stop/mi_below_steps": float(self.mi_below),

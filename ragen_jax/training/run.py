@@ -85,7 +85,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     elif mode == "separate":
         from ragen_jax.models.lora import merge_lora
 
-        # Created in its shards, then started from the same pretrained checkpoint as the policy (spec §5.5).
+        # Created in its shards, then started from the same pretrained checkpoint as the policy.
         critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2)))
         critic.init_trunk_from(merge_lora(model))
     # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.

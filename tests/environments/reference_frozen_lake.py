@@ -1,4 +1,4 @@
-"""Slow, obviously-correct NumPy FrozenLake, written from the RAGEN spec (§2), for tests only.
+"""Slow, obviously-correct NumPy FrozenLake, written from RAGEN's FrozenLake rules, for tests only.
 
 The map is a Gymnasium-style ``desc`` of characters ``S F H G``; dynamics follow Gymnasium's
 transition list for an intended direction ``d``: directions ``[(d-1)%4, d, (d+1)%4]`` with
@@ -106,7 +106,7 @@ class ReferenceFrozenLake:
 
 
 def render(desc: np.ndarray, pos, fmt: str, symbols: dict[str, str] = DEFAULT_SYMBOLS) -> str:
-    """The spec's §2.5 text. ``symbols`` keys: P, F (frozen), H, G, X (player in hole), V (on goal)."""
+    """RAGEN's text of the board. ``symbols`` keys: P, F (frozen), H, G, X (player in hole), V (on goal)."""
     pos = tuple(int(v) for v in pos)
     n = desc.shape[0]
     rows = []

@@ -1,4 +1,4 @@
-"""A slow, plain-Python Sokoban written from the spec (gym-sokoban's step and reward, RAGEN's info).
+"""A slow, plain-Python Sokoban written from gym-sokoban's rules (its step and reward, RAGEN's info).
 
 It keeps gym-sokoban's representation: ``room_fixed`` (0 wall, 1 floor, 2 target) and
 ``room_state`` (0 wall, 1 floor, 2 empty target, 3 box on target, 4 box, 5 player), and counts

@@ -1,4 +1,4 @@
-"""Bandit against the spec (§3.1): arm names, payouts, same-prompt groups, invalid answers.
+"""Bandit against RAGEN's definition: arm names, payouts, same-prompt groups, invalid answers.
 
 Random inputs come from fixed PRNGKeys, so every run is the same.
 """
@@ -12,7 +12,7 @@ import pytest
 from environments import make, render
 from environments.bandit import Bandit, BanditParams, BanditState
 
-# Spec §3.1, typed from the spec: (low-risk, high-risk).
+# RAGEN's payouts: (low-risk, high-risk).
 SPEC_TRAIN = [("Teacher", "Trader"), ("Nurse", "StartupFounder"), ("Librarian", "Investor"),
               ("Accountant", "StockBroker"), ("Engineer", "RealEstateAgent"), ("Pharmacist", "Musician"),
               ("Clerk", "Freelancer"), ("Technician", "Youtuber"), ("Planner", "Artist"), ("Postman", "Pilot"),
@@ -23,7 +23,7 @@ SPEC_TEST = [("Receptionist", "Explorer"), ("Archivist", "Filmmaker"), ("Bookkee
 
 
 def _shown(env, state):
-    """The two names in prompt order, from the state (reference: the spec's pair list)."""
+    """The two names in prompt order, from the state (reference: RAGEN's pair list)."""
     pairs = SPEC_TRAIN if env.split == "train" else SPEC_TEST
     lo, hi = pairs[int(state.pair)]
     return (hi, lo) if bool(state.hi_first) else (lo, hi)

@@ -1,4 +1,4 @@
-"""FrozenLake against the NumPy reference (tests/environments/reference_frozen_lake.py) and the spec.
+"""FrozenLake against the NumPy reference (tests/environments/reference_frozen_lake.py) and RAGEN's texts.
 
 Every random input comes from fixed seeds (PRNGKey / default_rng constants), so failures reproduce.
 """
@@ -79,7 +79,7 @@ def test_dynamics_match_reference_on_random_action_sequences(is_slippery):
 
 
 def test_hand_worked_moves():
-    """Spec §2.3/§2.4 by hand: clamping at the border, +1 on the goal, holes absorb with reward 0."""
+    """RAGEN's dynamics by hand: clamping at the border, +1 on the goal, holes absorb with reward 0."""
     env = FrozenLake(size=4, is_slippery=False)
     params = _params(success_rate=1.0)
     holes = np.zeros((4, 4), bool)
@@ -263,7 +263,7 @@ def _spec_example():
     ("grid_coord", "Coordinates: \n" + SPEC_EXAMPLE_COORD + "\nGrid Map: \n" + SPEC_EXAMPLE_GRID),
 ])
 def test_spec_worked_example_renders(fmt, expected):
-    """Spec §2.5, CoordFrozenLake seed 123, as a hand-built state: host and device texts."""
+    """RAGEN, CoordFrozenLake seed 123, as a hand-built state: host and device texts."""
     env = FrozenLake(size=4, observation_format=fmt)
     s = _spec_example()
     assert env.render_text(s) == expected

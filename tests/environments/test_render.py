@@ -1,4 +1,4 @@
-"""Device piece renders against hand-written strings (the spec's worked examples, §1.7 and §2.5)."""
+"""Device piece renders against hand-written strings (worked examples of RAGEN's texts)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +28,7 @@ def test_piece_table_dedups_and_reserves_empty_string():
 
 
 def test_grid_pieces_spec_example():
-    # Spec §1.7, CoordSokoban seed 10000 (codes: 0 wall, 1 floor, 2 target, 4 box, 5 player).
+    # RAGEN, CoordSokoban seed 10000 (codes: 0 wall, 1 floor, 2 target, 4 box, 5 player).
     codes = np.array(
         [[0, 0, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0], [0, 4, 1, 0, 0, 0], [0, 1, 5, 1, 0, 0],
          [0, 0, 0, 0, 0, 0]]
@@ -98,7 +98,7 @@ def test_compact_and_concat_match_numpy_under_vmap():
 
 
 def test_frozen_lake_style_coord_render_spec_example():
-    # Spec §2.5, CoordFrozenLake seed 123: built only from the generic pieces.
+    # RAGEN, CoordFrozenLake seed 123: built only from the generic pieces.
     headers = ["Board size: 4 rows x 4 cols (zero-indexed).", "\nStart: ", "\nGoal: ", "\nPlayer: ",
                "\nPlayer on goal: ", "\nPlayer in hole: ", "\nHoles: ", ", "]
     t = render.PieceTable(headers + render.coord_strings(4, 4))

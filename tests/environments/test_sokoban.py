@@ -1,4 +1,4 @@
-"""Sokoban: renders against the spec's hand-written strings, dynamics against a plain-Python reference,
+"""Sokoban: renders against hand-written strings of RAGEN's texts, dynamics against a plain-Python reference,
 generated levels against the BFS solver, device pieces against the host render.
 
 All randomness is seeded (``jax.random.PRNGKey`` / ``np.random.default_rng`` with fixed seeds), so
@@ -19,7 +19,7 @@ from tests.environments.reference_sokoban import ReferenceSokoban
 
 UP, DOWN, LEFT, RIGHT = range(4)
 
-# Spec §1.7, CoordSokoban seed 10000.
+# RAGEN, CoordSokoban seed 10000.
 SPEC_GRID = "######\n#O####\n#__###\n#X_###\n#_P_##\n######"
 SPEC_COORD = (
     "Board size: 6 rows x 6 cols (zero-indexed).\n"
@@ -226,7 +226,7 @@ def test_generated_levels_solvable_and_distribution_like_ragen(env, levels):
     lengths = np.array(lengths)
     hist = np.bincount(lengths)
     print("6x6/1 optimal solution lengths: median", np.median(lengths), "histogram", hist.tolist())
-    # RAGEN (spec §1.3, 200 seeds): lengths 1..14, median ~4, 99 % within 10, ~10 % single push.
+    # RAGEN (200 seeds): lengths 1..14, median ~4, 99 % within 10, ~10 % single push.
     assert 3 <= np.median(lengths) <= 5
     assert np.mean(lengths <= 10) >= 0.97
     assert 0.04 <= np.mean(lengths == 1) <= 0.2

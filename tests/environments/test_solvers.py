@@ -30,7 +30,7 @@ def replay_solves(fixed, state, actions):
 @pytest.mark.parametrize(
     "rows,length",
     [
-        # Spec §1.7 example: Left, Up, Up.
+        # RAGEN example: Left, Up, Up.
         (["######", "#O####", "#__###", "#X_###", "#_P_##", "######"], 3),
         # Corridor: step, then two pushes.
         (["#######", "#P_X_O#", "#######"], 3),

@@ -1,6 +1,6 @@
 """The on-device agent loop against a pure-Python reference loop, and sampler log-prob parity.
 
-The reference loop below re-implements RAGEN's agent loop (spec §4.2–4.6) in plain Python: host
+The reference loop below re-implements RAGEN's agent loop in plain Python: host
 text renders (``env.render_text``), the prompt functions, the chat template, a regex parser on the
 decoded reply and single, un-batched env steps. A scripted policy (``ForcedReplies``) feeds both
 loops the same replies. All keys and replies come from fixed seeds.

@@ -1,6 +1,6 @@
-"""Device reply parser vs a Python regex reference of RAGEN's rules (spec §4.4).
+"""Device reply parser vs a Python regex reference of RAGEN's rules.
 
-The reference below is written from the spec, independently of the device code: ``re`` on bytes,
+The reference below is written from RAGEN's rules, independently of the device code: ``re`` on bytes,
 ``bytes.replace``, ``split(b"||")``, ``strip``, ``lower``. Hypothesis drives random and adversarial
 byte strings (tag fragments, pipes, whitespace, action names in mixed case); its seed is derived
 from the test name, so runs are reproducible.

@@ -1,6 +1,6 @@
 """Slow, obviously-correct NumPy re-derivations of the StarPO algorithm core, for the tests.
 
-Written from the specification text (spec §4.7, §5, §6) with plain Python loops over rows, tokens
+Written from RAGEN's definitions with plain Python loops over rows, tokens
 and groups — never by calling ``ragen_jax.starpo``. Everything is float64.
 Conventions are those of ``ragen_jax/starpo/advantages.py``: arrays are ``[B, L]`` on the token
 axis, rows form contiguous groups of ``group_size``.
@@ -37,7 +37,7 @@ def groups_of(values, group_size):
 
 
 # ---------------------------------------------------------------------------------------------
-# Episode-score normalisation (spec §4.7)
+# Episode-score normalisation
 # ---------------------------------------------------------------------------------------------
 
 
@@ -62,7 +62,7 @@ def normalize_scores(scores, method, group_size):
 
 
 # ---------------------------------------------------------------------------------------------
-# Advantages (spec §5.2, §5.3)
+# Advantages
 # ---------------------------------------------------------------------------------------------
 
 
@@ -151,7 +151,7 @@ def length_weight(adv, mask):
 
 
 # ---------------------------------------------------------------------------------------------
-# Losses (spec §5.4, §5.5)
+# Losses
 # ---------------------------------------------------------------------------------------------
 
 
@@ -247,7 +247,7 @@ def value_loss(v, v_old, ret, mask, clip):
 
 
 # ---------------------------------------------------------------------------------------------
-# SNR-adaptive rollout filter (spec §6)
+# SNR-adaptive rollout filter
 # ---------------------------------------------------------------------------------------------
 
 
@@ -266,7 +266,7 @@ def group_score(per_row, group_size, metric):
 
 
 def select_groups(scores, strategy, value, largest=True, include_zero=True, mode="linear", eps=0.01):
-    """Indices of kept groups (hard strategies) or a weight list (``weighted``), by the spec's walk."""
+    """Indices of kept groups (hard strategies) or a weight list (``weighted``), by RAGEN's walk."""
     G = len(scores)
     remaining = [i for i in range(G) if include_zero or abs(scores[i]) > 1e-10]
     if not remaining:
@@ -330,7 +330,7 @@ def select_groups(scores, strategy, value, largest=True, include_zero=True, mode
 
 
 def filter_metrics(per_row, group_size, weights, source):
-    """Spec §6.4 metrics: means over groups of per-group std/max/mean/sum, before and over kept groups."""
+    """RAGEN metrics: means over groups of per-group std/max/mean/sum, before and over kept groups."""
     groups = groups_of([float(v) for v in per_row], group_size)
     stats = {"std": [std_unbiased(g) for g in groups], "max": [max(g) for g in groups],
              "mean": [mean(g) for g in groups], "sum": [sum(g) for g in groups]}

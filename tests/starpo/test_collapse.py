@@ -1,4 +1,4 @@
-"""Collapse diagnostics (MI proxy): planted log-prob functions and a NumPy re-derivation of spec §7.4.
+"""Collapse diagnostics (MI proxy): planted log-prob functions and a NumPy re-derivation of RAGEN-2's MI estimates.
 
 All randomness is seeded (NumPy ``default_rng`` and ``jax.random.key`` with fixed seeds), so every
 run sees the same matrices and samples.
@@ -97,7 +97,7 @@ def cfg(**kw):
 
 
 # ---------------------------------------------------------------------------------------------------
-# NumPy re-derivation of §7.4 (loops, float64)
+# NumPy re-derivation of the MI estimates (loops, float64)
 
 
 def np_estimates(l_mean, l_sum, z_valid, x_valid, true_col, equiv, ema_prev=None, ema=0.9, eps=1e-3):

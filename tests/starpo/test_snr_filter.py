@@ -1,4 +1,4 @@
-"""SNR-adaptive rollout filter against the spec's worked examples (§6.2) and a loop-based reference.
+"""SNR-adaptive rollout filter against hand-worked examples of RAGEN's filter and a loop-based reference.
 
 Random batches come from seeded ``numpy.random.default_rng`` generators (reproducible runs).
 """
@@ -29,7 +29,7 @@ def kept(result):
     return np.nonzero(np.asarray(result.group_weights))[0].tolist()
 
 
-# --- spec §6.2 worked examples ----------------------------------------------------------------
+# --- RAGEN worked examples ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stds,want", [

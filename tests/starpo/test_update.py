@@ -125,10 +125,10 @@ def test_empty_filter_skips_update_and_raises_early_stop(shared):
     s1, m1 = update(state, flat)
     assert float(m1["rollout/empty_after_filter"]) == 1.0 and float(m1["train/optimizer_steps"]) == 0.0
     assert tree_max_abs_diff(s1.params, state.params) == 0.0
-    assert float(m1["early_stopped/empty_filtered_steps"]) == 0.0
+    assert float(m1["early_stop/empty_filter"]) == 0.0
     s2, m2 = update(s1, flat)
     assert int(s2.consecutive_empty) == 2 and int(s2.num_empty_skipped) == 2
-    assert float(m2["early_stopped/empty_filtered_steps"]) == 1.0  # empty_stop_steps = 2
+    assert float(m2["early_stop/empty_filter"]) == 1.0  # empty_stop_steps = 2
     s3, m3 = update(s2, random_traj(21))
     assert int(s3.consecutive_empty) == 0 and float(m3["rollout/empty_after_filter"]) == 0.0
     assert tree_max_abs_diff(s3.params, s2.params) > 0.0
@@ -244,7 +244,7 @@ def test_clipped_loss_gradient_matches_finite_differences(loss_setup):
 
 
 def _reference_loss(params, graphdefs, rest, mb, cfg):
-    """The full-batch objective written out directly from spec §5.4 (token-mean over kept rows)."""
+    """The full-batch objective written out directly from RAGEN's loss (token-mean over kept rows)."""
     model = nnx.merge(graphdefs.policy, params, rest)
     logits, _ = model(mb["tokens"], positions_for(mb["tokens"]))
     lp_all = jax.nn.log_softmax(logits[:, :-1], -1)

@@ -19,7 +19,7 @@ def _resolve(cfg):
 
 def test_presets_and_defaults():
     s = _resolve(sokoban.get_config())
-    # RAGEN's defaults (spec §0, §5.6): 8 groups × 16, 5 turns, 2 actions/turn, 10 per episode.
+    # RAGEN's defaults: 8 groups × 16, 5 turns, 2 actions/turn, 10 per episode.
     r = s.rollout
     assert (r.num_groups, r.group_size, r.max_turns, r.max_actions_per_turn, r.max_actions_per_traj) == (8, 16, 5, 2, 10)
     assert (s.starpo.clip_ratio_low, s.starpo.clip_ratio_high, s.starpo.clip_ratio_c) == (0.2, 0.28, 3.0)
@@ -36,7 +36,7 @@ def test_presets_and_defaults():
     assert fl.env_kwargs == {"size": 4, "observation_format": "grid"}
     b = _resolve(bandit.get_config())
     assert b.rollout.max_turns == 1
-    # RAGEN's payouts (spec §3.1), listed so that --config.env.* can change them
+    # RAGEN's payouts, listed so that --config.env.* can change them
     assert b.env_param_kwargs == {"lo_arm_score": 0.1, "hi_arm_loscore": 0.0, "hi_arm_hiscore": 1.0,
                                   "hi_arm_hiscore_prob": 0.25}
 

@@ -77,7 +77,7 @@ def test_trainer_stops_only_when_the_switch_is_on():
     def spec(**switches):
         t = TrainerConfig(**{"stop_on_empty_filter": False, "stop_on_reward_collapse": False,
                              "stop_on_mi_collapse": False, **switches})
-        return types.SimpleNamespace(config=types.SimpleNamespace(trainer=t),
+        return types.SimpleNamespace(trainer=t,
                                      filter=types.SimpleNamespace(empty_stop_steps=2))
 
     host = types.SimpleNamespace(early=types.SimpleNamespace(consecutive_empty=2))
@@ -121,7 +121,7 @@ def test_a_computation_without_enough_parseable_reasonings_is_no_mi_reading():
         def image(self, step, tag, img):
             self.images.append((step, tag))
 
-    spec = types.SimpleNamespace(config=types.SimpleNamespace(trainer=TrainerConfig(transcript_every=0)),
+    spec = types.SimpleNamespace(trainer=TrainerConfig(transcript_every=0),
                                  collapse=types.SimpleNamespace(baseline_steps=2, regime_mi_ratio=0.5,
                                                                 regime_entropy_ratio=0.5))
     host = HostState(EarlyStop(mi_ratio=0.7, mi_window=2, mi_baseline=2), {"train": [], "quadrant": []}, {})

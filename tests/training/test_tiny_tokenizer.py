@@ -27,7 +27,7 @@ def test_special_and_tag_tokens(tok):
 
 
 def test_grid_symbols_are_one_token_per_cell(tok):
-    # The spec's verified CoordSokoban board (seed 10000) with the box pushed onto the target.
+    # RAGEN's CoordSokoban board (seed 10000) with the box pushed onto the target.
     grid = "######\n#√####\n#__###\n#__###\n#_P_##\n######"
     pieces = [tok.decode([i]) for i in tok.encode(grid)]
     assert pieces == [c for c in grid]
