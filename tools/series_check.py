@@ -3,7 +3,7 @@ two recordings bit for bit (a refactor must not change a single value).
 
     python tools/series_check.py record before.json
     python tools/series_check.py record after.json
-    python tools/series_check.py compare before.json after.json [--rename old=new ...]
+    python tools/series_check.py compare before.json after.json [--rename old=new ...] [--merged old=kept ...]
 
 The runs: the tests' small FrozenLake config (``tests/training/test_trainer.small_config_dict``),
 and the same with GAE, a separate critic, a KL penalty against the reference and LoRA adapters.
@@ -49,12 +49,19 @@ def record(path: str) -> None:
     Path(path).write_text(json.dumps(out, indent=1))
 
 
-def compare(before: str, after: str, renames: list[str]) -> int:
+def compare(before: str, after: str, renames: list[str], merged: list[str] = ()) -> int:
+    """``renames``: OLD=NEW, a series that changed its name. ``merged``: OLD=KEPT, a series dropped
+    because it duplicated KEPT; it must equal KEPT bit for bit in ``before``."""
     a, b = json.loads(Path(before).read_text()), json.loads(Path(after).read_text())
     mapping = dict(r.split("=", 1) for r in renames)
+    duplicates = dict(r.split("=", 1) for r in merged)
     problems = 0
     for run in a:
-        old = {mapping.get(tag, tag): series for tag, series in a[run].items()}
+        for tag, kept in duplicates.items():
+            if tag in a[run] and a[run][tag] != a[run].get(kept):
+                print(f"{run}: {tag} was not a duplicate of {kept}")
+                problems += 1
+        old = {mapping.get(tag, tag): series for tag, series in a[run].items() if tag not in duplicates}
         new = b.get(run, {})
         for tag in sorted(set(old) | set(new)):
             if tag not in new:
@@ -80,11 +87,12 @@ def main() -> int:
     c.add_argument("before")
     c.add_argument("after")
     c.add_argument("--rename", action="append", default=[], help="OLD=NEW metric name")
+    c.add_argument("--merged", action="append", default=[], help="OLD=KEPT: OLD duplicated KEPT and is gone")
     args = ap.parse_args()
     if args.cmd == "record":
         record(args.path)
         return 0
-    return compare(args.before, args.after, args.rename)
+    return compare(args.before, args.after, args.rename, args.merged)
 
 
 if __name__ == "__main__":

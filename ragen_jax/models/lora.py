@@ -23,6 +23,7 @@ from flax import nnx
 
 from ragen_jax.models.config import LORA_TARGETS
 from ragen_jax.models.decoder import Decoder
+from ragen_jax.models.loading import _table_entry
 
 
 def has_lora(model_or_state) -> bool:
@@ -108,8 +109,6 @@ def export_hf(model: Decoder, directory: str | os.PathLike) -> Path:
     HF tensor names of ``loading.WEIGHT_TABLE`` and a ``config.json``; ``loading.load_hf`` and
     transformers both read it back."""
     import safetensors.numpy
-
-    from ragen_jax.models.loading import _table_entry
 
     model = merge_lora(model)
     cfg = model.cfg

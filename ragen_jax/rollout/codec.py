@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ragen_jax.rollout import prompts
+
 
 # --------------------------------------------------------------------------------------------
 # Device: concatenation of table rows
@@ -255,8 +257,6 @@ class PromptCodec:
         reward_decimals: int = 1,
         reward_limit: float = 50.0,
     ):
-        from ragen_jax.rollout import prompts  # local: prompts is text-only and imports nothing
-
         self.framing = framing
         self.enable_think = enable_think
         self.max_words = max_words
@@ -394,8 +394,6 @@ class PromptCodec:
     # ---- host reference -----------------------------------------------------------------
     def user_text(self, t: int, state_text: str, actions_left: int, warning: bool, prev_reward) -> str:
         """Host text of turn ``t``'s user message (``prev_reward``: float, or None when not stepped)."""
-        from ragen_jax.rollout import prompts
-
         text = prompts.turn_block(
             t + 1, state_text, actions_left, warning=warning, enable_think=self.enable_think, max_words=self.max_words
         )

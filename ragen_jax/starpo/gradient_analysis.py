@@ -20,10 +20,10 @@ bucket's rows with the actor's aggregation mode:
   ``grad_norm/b/loss/c``       the term's value,
   ``grad_norm/b/reward_std_{mean,min,max}``, ``grad_norm/b/sample_count``, ``grad_norm/b/sample_pct``.
 A bucket with no episode reports zeros. All of it is one compiled function of (train state, batch).
+
+``cfg``: the ``config.starpo`` section (``ragen_jax.config.StarPOConfig``), ``filter_cfg``: a ``FilterConfig``.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,9 @@ from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import losses
+from ragen_jax.starpo import update as upd
 from ragen_jax.starpo.logprobs import sequence_logprobs
 from ragen_jax.starpo.registry import Registry
-
-if TYPE_CHECKING:  # the config sits above the step it configures (it checks names against its registries)
-    from ragen_jax.config import FilterConfig, StarPOConfig
 
 BUCKETINGS = Registry("gradient-analysis bucketing")
 COMPONENTS = ("task", "entropy", "kl")
@@ -72,7 +70,7 @@ def bucket_names(bucketing: str, num_buckets: int) -> tuple[str, ...]:
     return tuple(f"rv{k}-{k + 1}" for k in range(num_buckets - 1)) + (f"rv{num_buckets - 1}+",)
 
 
-def make_gradient_analysis(graphdefs, cfg: StarPOConfig, filter_cfg: FilterConfig, *, group_size: int,
+def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
                            bucketing: str = "quantile", num_buckets: int = 6, shared_prefix_len: int = 0,
                            per_turn_rows=None, jit: bool = True, placement=None):
     """Builds ``analyse(train_state, trajectory) -> metrics`` (float32 scalars; nothing is updated).
@@ -80,8 +78,6 @@ def make_gradient_analysis(graphdefs, cfg: StarPOConfig, filter_cfg: FilterConfi
     The arguments are ``make_update_step``'s; ``bucketing`` (quantile | fixed_rv) and ``num_buckets``
     choose the buckets. The batch must be the one the update would see next (same state).
     """
-    from ragen_jax.starpo import update as upd
-
     BUCKETINGS.validate(bucketing)
     if not isinstance(num_buckets, int) or num_buckets < 1:
         raise ValueError(f"num_buckets must be a positive int, got {num_buckets!r}.")

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ragen_jax.models.kv_cache import broadcast_cache, init_cache
+
 
 def positions_for(tokens: jax.Array) -> jax.Array:
     """int32 [B, L] positions 0..L-1: rows are right-padded, so padding never precedes a real token."""
@@ -139,8 +141,6 @@ def make_prefix_cached_cross_scorer(model, *, logprob_chunk_size: int):
     ``chunk_size`` (of ``cross_fn``) bounds how many reasoning rows share one broadcast cache at a
     time; ``logprob_chunk_size`` the positions per log-softmax chunk, as in ``logprobs_from_hidden``.
     """
-    from ragen_jax.models.kv_cache import broadcast_cache, init_cache
-
     def cross_fn(tokens, x_rows, x_len, z_rows, z_start, z_len, *, max_reasoning_tokens, chunk_size):
         seq_len = tokens.shape[1]
         max_z = max_reasoning_tokens

@@ -4,6 +4,10 @@
     update = make_update_step(graphdefs, starpo_cfg, filter_cfg, collapse_cfg, group_size=16)
     state, metrics = update(state, trajectory)           # or update(state, trajectory, key)
 
+``cfg`` / ``starpo_cfg`` is the ``config.starpo`` section (``ragen_jax.config.StarPOConfig``),
+``filter_cfg`` a ``FilterConfig``, ``collapse_cfg`` a ``CollapseConfig``: the config package sits
+above this step (it checks their names against the registries here), so they are not imported.
+
 Inside that one compiled function, top to bottom:
 
   1. old log-probs of the sampled tokens under the current policy (at the rollout's temperature, recomputed, compared
@@ -32,13 +36,14 @@ Models are used functionally: ``nnx.split`` outside, ``nnx.merge(graphdef, param
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, TYPE_CHECKING
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from ragen_jax.models.lora import has_lora
 from ragen_jax.rollout.turn_rows import turn_rows
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.starpo import advantages as adv_lib
@@ -48,9 +53,6 @@ from ragen_jax.starpo import overlong
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
                                       sequence_logprobs)
-
-if TYPE_CHECKING:  # the config sits above the step it configures (it checks names against its registries)
-    from ragen_jax.config import CollapseConfig, FilterConfig, StarPOConfig
 
 PyTree = Any
 
@@ -142,7 +144,7 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(lr: float, cfg: StarPOConfig) -> optax.GradientTransformation:
+def make_optimizer(lr: float, cfg) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (decoupled weight decay on every parameter, as torch's AdamW),
     with float32 state and arithmetic (``in_float32``)."""
     return in_float32(optax.chain(
@@ -159,7 +161,7 @@ def make_optimizer(lr: float, cfg: StarPOConfig) -> optax.GradientTransformation
 
 def init_train_state(
     policy: nnx.Module,
-    cfg: StarPOConfig,
+    cfg,
     *,
     key: jax.Array,
     critic: Optional[nnx.Module] = None,
@@ -191,8 +193,6 @@ def init_train_state(
     if reference is not None and not cfg.uses_reference:
         raise ValueError("a reference model was given but no KL term uses it; set starpo.use_kl_loss=True "
                          "or starpo.kl_in_reward=True, or drop the reference.")
-    from ragen_jax.models.lora import has_lora
-
     lora = has_lora(policy)
     # With LoRA adapters only they are trained (and hold optimizer state); the base rides in ``rest``.
     policy_gd, params, policy_rest = nnx.split(policy, nnx.LoRAParam if lora else nnx.Param, ...)
@@ -292,7 +292,7 @@ def _guarded_step(tx, grads, opt_state, params, has_tokens):
     return params, opt_state, grad_norm, finite, applied
 
 
-def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int = 0, single_pass: bool = False):
+def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_pass: bool = False):
     """Returns ``(loss_fn, critic_values)``.
 
     ``loss_fn(params, critic_params, rest, mb, den, value_den) -> (loss, aux)`` is one micro-batch's
@@ -360,7 +360,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg: StarPOConfig, shared_prefix_len: int
     return micro_loss, critic_values
 
 
-def is_single_pass(cfg: StarPOConfig, filter_cfg: FilterConfig, num_mini: int, per_turn: bool) -> bool:
+def is_single_pass(cfg, filter_cfg, num_mini: int, per_turn: bool) -> bool:
     """True when the update is one optimizer step on the whole batch from the parameters that sampled it
     (one epoch, one mini-batch) and nothing else reads the pre-update scores: no critic, no reference, no
     KL in the reward, no entropy-based SNR filter, whole transcripts. The old log-probs are then exactly
@@ -375,7 +375,7 @@ def is_single_pass(cfg: StarPOConfig, filter_cfg: FilterConfig, num_mini: int, p
 # The stages of one update (module-level and pure: each reads its inputs from its arguments)
 
 
-def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: TrainState, traj: Trajectory,
+def score_batch(graphdefs: Graphdefs, cfg, critic_values, state: TrainState, traj: Trajectory,
                 rows, micro_size: int, shared_prefix_len: int) -> dict:
     """Stage 1, no gradient: old log-probs (at the sampling temperature) and entropies, reference log-probs when a
     KL term needs them, critic values; each float32 ``[B, L]`` on the transcript. On per-turn rows
@@ -406,7 +406,7 @@ def score_batch(graphdefs: Graphdefs, cfg: StarPOConfig, critic_values, state: T
     return jax.lax.stop_gradient(old)
 
 
-def sampler_agreement(cfg: StarPOConfig, old: dict, traj: Trajectory, loss_mask: jax.Array) -> dict:
+def sampler_agreement(cfg, old: dict, traj: Trajectory, loss_mask: jax.Array) -> dict:
     """How far the recomputed log-probs are from the sampler's (0 up to float error), and the
     reference KL: the first metrics of an update."""
     sampled = loss_mask & traj.valid_mask
@@ -418,7 +418,7 @@ def sampler_agreement(cfg: StarPOConfig, old: dict, traj: Trajectory, loss_mask:
     return metrics
 
 
-def diagnose_collapse(graphdefs: Graphdefs, cfg: StarPOConfig, collapse_cfg: CollapseConfig, state: TrainState,
+def diagnose_collapse(graphdefs: Graphdefs, cfg, collapse_cfg, state: TrainState,
                       traj: Trajectory, rows, key: jax.Array, num_groups: int):
     """Stage 2: the MI proxy on the pre-filter batch, scored by the policy before this update
     (computed on the steps ``collapse.should_compute`` picks). -> ``(metrics, collapse state)``."""
@@ -430,7 +430,7 @@ def diagnose_collapse(graphdefs: Graphdefs, cfg: StarPOConfig, collapse_cfg: Col
                                                turn_rows=rows)
 
 
-def filter_groups(filter_cfg: FilterConfig, traj: Trajectory, old: dict, loss_mask: jax.Array, group_size: int):
+def filter_groups(filter_cfg, traj: Trajectory, old: dict, loss_mask: jax.Array, group_size: int):
     """Stage 3: the SNR filter over groups, on the raw episode scores (normalised scores would all
     have the same spread). -> ``snr_filter`` result: ``row_weights [B]`` (0 = dropped), metrics."""
     return snr_filter.rollout_filter(
@@ -448,7 +448,7 @@ def filter_groups(filter_cfg: FilterConfig, traj: Trajectory, old: dict, loss_ma
     )
 
 
-def shape_rewards(cfg: StarPOConfig, traj: Trajectory) -> tuple[Trajectory, dict]:
+def shape_rewards(cfg, traj: Trajectory) -> tuple[Trajectory, dict]:
     """Stage 0: reward shaping before anything reads a reward — DAPO's overlong penalty
     (``overlong_buffer_len`` > 0). -> ``(trajectory, metrics)``."""
     if not cfg.overlong_buffer_len:
@@ -463,7 +463,7 @@ def shape_rewards(cfg: StarPOConfig, traj: Trajectory) -> tuple[Trajectory, dict
                   "rollout/overlong_penalised_turns": jnp.sum(penalty < 0) / turns}
 
 
-def advantage_extras(cfg: StarPOConfig, traj: Trajectory) -> dict:
+def advantage_extras(cfg, traj: Trajectory) -> dict:
     """What the configured estimator reads beyond token rewards (``AdvantageEstimator.needs``) and the
     estimator settings; fields the trajectory lacks are left out (the estimator names what is missing)."""
     return {"turn_rewards": traj.turn_rewards, "turn_mask": traj.turn_mask, "anchor_ids": traj.turn_state_hash,
@@ -471,7 +471,7 @@ def advantage_extras(cfg: StarPOConfig, traj: Trajectory) -> dict:
             "step_gamma": cfg.gigpo_gamma, "step_norm": cfg.gigpo_norm, "norm_adv_by_std": cfg.norm_adv_by_std}
 
 
-def estimate_advantages(cfg: StarPOConfig, filter_cfg: FilterConfig, traj: Trajectory, old: dict, filt,
+def estimate_advantages(cfg, filter_cfg, traj: Trajectory, old: dict, filt,
                         loss_mask: jax.Array, train_mask: jax.Array, group_size: int):
     """Stage 4: episode scores → reward normalisation → (KL in the reward) → advantages and returns.
 
@@ -511,7 +511,7 @@ def estimate_advantages(cfg: StarPOConfig, filter_cfg: FilterConfig, traj: Traje
     return advantages, returns, metrics
 
 
-def update_batch(cfg: StarPOConfig, traj: Trajectory, train_mask: jax.Array, row_weights: jax.Array, old: dict,
+def update_batch(cfg, traj: Trajectory, train_mask: jax.Array, row_weights: jax.Array, old: dict,
                  advantages: jax.Array, returns: jax.Array, rows) -> tuple[dict, int]:
     """Stage 5's input: what the mini-batches are cut from, ``[R, ...]`` per key, and the rows per
     episode (1 on whole transcripts; ``max_turns`` on per-turn rows, episode-major, where a row
@@ -554,7 +554,7 @@ def mini_batches_in_order(data: dict, kept: jax.Array, key: jax.Array, *, shuffl
     return jax.tree.map(lambda x: x[order].reshape((num_mini, mini_size * rows_per_episode) + x.shape[1:]), data)
 
 
-def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_cfg: FilterConfig):
+def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_cfg):
     """Stage 7: the state's step counters and their metrics. -> ``(updates for state.replace, metrics)``."""
     consecutive_empty = jnp.where(empty, state.consecutive_empty + 1, 0)
     num_empty = state.num_empty_skipped + empty.astype(jnp.int32)
@@ -577,9 +577,9 @@ def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_c
 
 def make_update_step(
     graphdefs: Graphdefs,
-    cfg: StarPOConfig,
-    filter_cfg: FilterConfig,
-    collapse_cfg: CollapseConfig,
+    cfg,
+    filter_cfg,
+    collapse_cfg,
     *,
     group_size: int,
     jit: bool = True,

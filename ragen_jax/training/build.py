@@ -2,8 +2,16 @@
 environment."""
 from __future__ import annotations
 
+from flax import nnx
+
+import environments
 from ragen_jax.config import ConfigError, RunSpec
+from ragen_jax.models import Decoder, loading, smollm2_gguf_path
+from ragen_jax.models.lora import add_lora
 from ragen_jax.models.presets import PRESETS, load_tiny_tokenizer, tiny_model_config
+from ragen_jax.models.sharding import sharding_fn
+from ragen_jax.models.tokenizer import load_tokenizer
+from ragen_jax.rollout.host_env import HostEnv
 
 
 def build_model(spec: RunSpec, placement=None):
@@ -17,8 +25,6 @@ def build_model(spec: RunSpec, placement=None):
     m = spec.model
     if m.lora_rank:
         # Adapters on the (pretrained) base; only they train (starpo.update.init_train_state).
-        from ragen_jax.models.lora import add_lora
-
         model = add_lora(model, int(m.lora_rank), float(m.lora_alpha), tuple(m.lora_targets),
                          seed=spec.seed + 3)
         cfg = model.cfg
@@ -26,10 +32,6 @@ def build_model(spec: RunSpec, placement=None):
 
 
 def _build_base_model(spec: RunSpec, placement=None):
-    from flax import nnx
-
-    from ragen_jax.models import Decoder
-
     m = spec.model
     knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
     kind = PRESETS[spec.preset]["kind"]
@@ -37,20 +39,14 @@ def _build_base_model(spec: RunSpec, placement=None):
         tokenizer = load_tiny_tokenizer()
         cfg = tiny_model_config(tokenizer, m.tiny_dims, **knobs)
         return tokenizer, cfg, Decoder(cfg, rngs=nnx.Rngs(m.tiny_dims.init_seed))
-    from ragen_jax.models import loading
-    from ragen_jax.models.tokenizer import load_tokenizer
 
     if kind == "gguf":
         path = m.path
         if not path:
-            from ragen_jax.models import smollm2_gguf_path
-
             path = smollm2_gguf_path()
     else:
         path = m.path
     if placement is not None:
-        from ragen_jax.models.sharding import sharding_fn
-
         knobs["shard_fn"] = sharding_fn(placement.mesh, placement.rules)
     cfg, model = loading.load_model(path, **knobs)
     tokenizer = load_tokenizer(path)
@@ -66,11 +62,7 @@ def build_env(spec: RunSpec, tokenizer=None):
     A Python text environment (``environments.HOST_REGISTRY``) comes wrapped in a ``HostEnv``,
     which needs the tokenizer (observations are tokenised on the host).
     """
-    import environments
-
     if environments.is_host(spec.env_name):
-        from ragen_jax.rollout.host_env import HostEnv
-
         if tokenizer is None:
             raise ValueError(f"{spec.env_name} is a Python text environment: build_env needs the tokenizer")
         cls = environments.env_class(spec.env_name)

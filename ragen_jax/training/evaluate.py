@@ -18,8 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ragen_jax.models.lora import export_hf
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.loop import make_rollout, validation_keys
+from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
+from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
+from ragen_jax.training.run import setup
+from ragen_jax.training.workdir import WorkdirLock, check_eval_workdir, explain_mismatch
 
 
 class Evaluator:
@@ -119,19 +124,12 @@ def run_eval(spec) -> dict[str, float]:
     Without a checkpoint in ``workdir/checkpoints`` the preset's initial model is evaluated (e.g. a
     pretrained Qwen2.5 checkpoint before any RL).
     """
-    from ragen_jax.training.workdir import WorkdirLock
-
     with WorkdirLock(spec.workdir):  # the evaluation writes its records there: no run alongside
         return _run_eval(spec)
 
 
 def _run_eval(spec) -> dict[str, float]:
     """``run_eval``'s body, under the workdir's lock."""
-    from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.starpo.train_state import policy_params
-    from ragen_jax.training.run import setup
-    from ragen_jax.training.workdir import check_eval_workdir
-
     for note in check_eval_workdir(spec.config):  # refuses another env's or model's config
         print(f"note: {note}")
 
@@ -168,10 +166,6 @@ def _run_eval(spec) -> dict[str, float]:
 def _checkpointed_policy(cfg, run, ckpt, step=None):
     """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
     named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
-    from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
-    from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
-    from ragen_jax.training.workdir import explain_mismatch
-
     try:
         if step is None:
             state, _, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
@@ -193,10 +187,6 @@ def run_export(spec) -> str:
     """``config.mode=export``: the policy of the latest checkpoint (adapters merged into the base)
     as an HF checkpoint in ``<workdir>/export`` (``model.safetensors`` + ``config.json``), which
     ``model.path`` — and transformers — load like any other; the tokenizer files are not copied."""
-    from ragen_jax.models.lora import export_hf
-    from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
-    from ragen_jax.training.run import setup
-
     run = setup(spec)
     ckpt_dir = Path(spec.workdir) / "checkpoints"
     if not ckpt_dir.exists():

@@ -10,7 +10,15 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from ragen_jax.config import RunSpec
+from ragen_jax.config import ConfigError, RunSpec
+from ragen_jax.models import Critic, ValueHead
+from ragen_jax.models.lora import merge_lora
+from ragen_jax.placement import Placement
+from ragen_jax.rollout.host_env import HostEnv
+from ragen_jax.rollout.loop import make_rollout
+from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
+from ragen_jax.starpo.update import init_train_state, make_update_step
+from ragen_jax.training.build import build_env, build_model
 
 
 @dataclasses.dataclass
@@ -35,9 +43,6 @@ class Setup:
 
 def make_placement(spec: RunSpec):
     """The run's mesh (``config.mesh``) over the devices of every process."""
-    from ragen_jax.placement import Placement
-    from ragen_jax.config import ConfigError
-
     m = spec.mesh
     try:
         placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor))
@@ -53,9 +58,6 @@ def make_placement(spec: RunSpec):
 
 def _check_env_fits_processes(env, placement) -> None:
     """A host environment (Python in the loop) keeps its episodes in one Python process."""
-    from ragen_jax.rollout.host_env import HostEnv
-    from ragen_jax.config import ConfigError
-
     if isinstance(env, HostEnv) and placement.num_processes > 1:
         raise ConfigError(f"{type(env).__name__} is a host environment: its episodes live in one Python process, "
                           f"and this run has {placement.num_processes}. Run it in one process (without "
@@ -65,11 +67,6 @@ def _check_env_fits_processes(env, placement) -> None:
 def setup(spec: RunSpec, placement=None) -> Setup:
     """Model, env, train state (policy, optional critic), rollout and update step for ``spec``,
     laid out on ``placement`` (default: the mesh of ``config.mesh``)."""
-    from ragen_jax.models import Critic, ValueHead
-    from ragen_jax.rollout.loop import make_rollout
-    from ragen_jax.starpo.update import init_train_state, make_update_step
-    from ragen_jax.training.build import build_env, build_model
-
     placement = placement or make_placement(spec)
     tokenizer, model_cfg, model = build_model(spec, placement)
     env, env_params = build_env(spec, tokenizer)
@@ -83,8 +80,6 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     elif mode == "separate" and spec.preset == "tiny":
         critic = Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2))
     elif mode == "separate":
-        from ragen_jax.models.lora import merge_lora
-
         # Created in its shards, then started from the same pretrained checkpoint as the policy.
         critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2)))
         critic.init_trunk_from(merge_lora(model))
@@ -97,7 +92,6 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     try:
         rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
     except ValueError as e:  # a context too short for this tokenizer's prompt: the config's to fix
-        from ragen_jax.config import ConfigError
 
         raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
     # Every rollout row opens with the same system prompt: the update runs it once per batch.
@@ -113,8 +107,6 @@ def setup(spec: RunSpec, placement=None) -> Setup:
 
     analysis = None
     if spec.trainer.gradient_analysis_every:
-        from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
-
         analysis = make_gradient_analysis(graphdefs, spec.starpo, spec.filter, group_size=spec.rollout.group_size,
                                           bucketing=spec.trainer.gradient_analysis_buckets,
                                           num_buckets=spec.trainer.gradient_analysis_num_buckets,

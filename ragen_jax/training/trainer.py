@@ -24,13 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ragen_jax.config import ConfigError, RunSpec
+from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
-from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
-from ragen_jax.config import RunSpec
+from ragen_jax.training import dynamic_sampling
+from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
+from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.run import Setup, make_placement, setup
+from ragen_jax.training.warmup import run_warmup
+from ragen_jax.training.warmup_cache import WarmupCache
+from ragen_jax.training.workdir import WorkdirLock, explain_mismatch, prepare_training_workdir, trim_records
 
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
 MI_KEY = "collapse_first_turn_sample/mi_estimate"
@@ -141,8 +147,6 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
     ``step_callback(step, metrics)`` runs after each step; raising ``StopTraining`` from it saves a
     checkpoint of that step and ends the run (tests use it to interrupt and resume).
     """
-    from ragen_jax.training.workdir import WorkdirLock
-
     clock = (time.time(), time.process_time())
     placement = make_placement(spec)
     # One writer per workdir: the main process holds its lock for the whole run (a second run is refused).
@@ -153,8 +157,6 @@ def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = Non
 
 def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
     """``train``'s body, under the workdir's lock."""
-    from ragen_jax.training.workdir import trim_records
-
     t = spec.trainer
     workdir = Path(spec.workdir)
     resume = _prepare_workdir(spec, placement)  # refuses to mix runs; writes config.json
@@ -264,8 +266,6 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     sampling_metrics = {}
     if dynamic_sampling_rounds:
-        from ragen_jax.training import dynamic_sampling
-
         traj, sampling_metrics = dynamic_sampling.refill(run.rollout, params, key, traj, group_size=group_size,
                                                          max_rounds=dynamic_sampling_rounds, placement=run.placement)
         if sampling_metrics["rollout/dynamic_sampling_rounds"]:  # the widths of the batch that trains
@@ -338,9 +338,6 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
     Only one process may move a workdir aside or write its config.json; the others wait for its
     verdict (a refusal stops every process, the reason printed by the main one).
     """
-    from ragen_jax.config import ConfigError
-    from ragen_jax.training.workdir import prepare_training_workdir
-
     verdict, error = 0, None
     if placement.is_main:
         try:
@@ -360,8 +357,6 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
 
 
 def _make_evaluator(spec: RunSpec, run: Setup):
-    from ragen_jax.training.evaluate import Evaluator
-
     t = spec.trainer
     if not (t.eval_every or t.eval_before_train):
         return None
@@ -372,8 +367,6 @@ def _make_evaluator(spec: RunSpec, run: Setup):
 def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
     """``(train_state, host, step)`` from the newest intact checkpoint (damaged ones are skipped),
     restored into this run's layout whatever mesh wrote it."""
-    from ragen_jax.training.workdir import explain_mismatch
-
     try:
         train_state, meta, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state))
         train_state = with_base(train_state, run.train_state)
@@ -392,9 +385,6 @@ def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
 def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostState, evaluator, logger, transcripts):
     """A new run: behaviour cloning (when configured; restored when ``warmup.cache_dir`` holds this
     config's), then the "after warm-up" validation at step 0."""
-    from ragen_jax.training.warmup import run_warmup
-    from ragen_jax.training.warmup_cache import WarmupCache
-
     w = spec.warmup
     warms = w.steps > 0 or w.single_turn_steps > 0
     # The cache is keyed by the whole resolved config (what the run saves), so it keeps the ConfigDict.
@@ -469,8 +459,6 @@ def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, hos
                                                                 spec.collapse.regime_mi_ratio,
                                                                 spec.collapse.regime_entropy_ratio))
     if t.transcript_every and step % t.transcript_every == 0:
-        from ragen_jax.rollout import codec as codec_lib
-
         tokens, valid = placement.fetch((traj.tokens, traj.valid_mask))  # a collective: every process
         logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, tokens[0][valid[0]]))
 

@@ -26,6 +26,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
+from ragen_jax.training.workdir import config_as_json
+
 # Keys that do not change what the warm-up computes (where it is stored, how often it logs).
 _IGNORED = ("cache_dir", "log_every")
 _EVAL_IGNORED = ("write_transcripts", "checkpoint_step")
@@ -46,7 +49,6 @@ def _digest(payload: dict) -> str:
 def fingerprint(config) -> str:
     """The key of ``config``'s warm-up (16 hex digits)."""
     import ragen_jax
-    from ragen_jax.training.workdir import config_as_json
 
     c = config_as_json(config)
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
@@ -59,8 +61,6 @@ def fingerprint(config) -> str:
 
 def eval_fingerprint(config) -> str:
     """The key of the validation set and its sampling (the ``eval`` section that changes results)."""
-    from ragen_jax.training.workdir import config_as_json
-
     return _digest({k: v for k, v in config_as_json(config)["eval"].items() if k not in _EVAL_IGNORED})
 
 
@@ -75,8 +75,6 @@ class WarmupCache:
     def load(self, template) -> CachedWarmup | None:
         """The cached warm-up restored into ``template``'s layout; None when there is none yet, or
         when the entry is damaged (it is then recomputed and written again)."""
-        from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
-
         if not self.path.exists():
             return None
         ckpt = Checkpointer(self.path, keep=1)
@@ -97,8 +95,6 @@ class WarmupCache:
     def save(self, params, summary: dict, validation: tuple[dict, np.ndarray] | None, earlier: dict | None = None):
         """Store the warm-up (and the validation under this config's eval key, next to the ones of
         other eval settings in ``earlier``, the loaded entry's)."""
-        from ragen_jax.training.checkpoint import Checkpointer
-
         stored = dict(earlier or {})
         if validation is not None:
             metrics, puzzles = validation

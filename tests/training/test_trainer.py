@@ -278,7 +278,7 @@ def test_early_stop_reads_the_update_steps_empty_counter():
     seen = []
     for consecutive_empty, std in ((0, 1.0), (1, 0.0), (0, 1.0), (0, 0.05), (2, 0.0), (0, 0.05)):
         m = early.update(consecutive_empty=consecutive_empty, reward_std=std, episode_return=0.0, mi=None)
-        seen.append((m["rollout/consecutive_empty_after_filter_steps"], m["early_stop/reward_variance_collapse"]))
+        seen.append((float(early.consecutive_empty), m["early_stop/reward_variance_collapse"]))
     assert early.rv_history == [1.0, 1.0, 0.05, 0.05]
     assert seen == [(0.0, 0.0), (1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (2.0, 0.0), (0.0, 1.0)]
 
