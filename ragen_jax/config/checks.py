@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 
 def check(cond: bool, message: str) -> None:
@@ -65,3 +65,15 @@ def field_defaults(cls) -> dict[str, Any]:
         elif f.default_factory is not dataclasses.MISSING:
             values[f.name] = f.default_factory()
     return values
+
+
+class Section:
+    """Base of every config section's frozen dataclass: ``KEY`` is the section's name in the config
+    (``"starpo"``), ``from_dict`` builds it from a mapping (a ``ConfigDict`` included) with the
+    unknown-key check of ``section_from_dict``; the dataclass's ``__post_init__`` checks the values."""
+
+    KEY: ClassVar[str]
+
+    @classmethod
+    def from_dict(cls, values: Any):
+        return section_from_dict(cls, cls.KEY, values)

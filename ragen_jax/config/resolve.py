@@ -20,7 +20,7 @@ from ml_collections import ConfigDict
 
 import environments
 from environments.core import AgentFacing
-from ragen_jax.config.checks import check_choice, check_keys, section_from_dict
+from ragen_jax.config.checks import check_choice, check_keys
 from ragen_jax.config.sections import (TOP_LEVEL_KEYS, EvalConfig, MeshConfig, ModelSection, RolloutConfig,
                                        TrainerConfig, WarmupConfig)
 from ragen_jax.config.starpo import CollapseConfig, FilterConfig, StarPOConfig
@@ -85,12 +85,10 @@ def _choice(key: str, value, allowed) -> None:
 
 
 def _build(section: str, cls, values: dict):
-    """``cls.from_dict`` when the part provides one (its own key/registry validation), else ``cls(**)``
-    with the unknown-key check of ``section_from_dict``."""
+    """``cls.from_dict(values)`` (unknown keys, then the section's own value and registry checks),
+    its errors as ``ConfigError``s that name the section."""
     try:
-        if hasattr(cls, "from_dict"):
-            return cls.from_dict(values)
-        return section_from_dict(cls, section, values)
+        return cls.from_dict(values)
     except TypeError as e:
         allowed = sorted(f.name for f in dataclasses.fields(cls))
         raise ConfigError(f"config section '{section}': {e}; allowed keys: {', '.join(allowed)}") from None

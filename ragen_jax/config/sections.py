@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ragen_jax.config.checks import check_choice, check_int, check_number, section_from_dict
+from ragen_jax.config.checks import Section, check_choice, check_int, check_number
 from ragen_jax.models.config import LORA_TARGETS
 from ragen_jax.rollout.context import CONTEXT_MODES
 from ragen_jax.starpo import gradient_analysis
@@ -21,8 +21,10 @@ MODEL_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
-class TinyModelConfig:
+class TinyModelConfig(Section):
     """Dimensions of the ``tiny`` preset (a Qwen2-style decoder trained from scratch)."""
+
+    KEY = "model.tiny"
 
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -43,7 +45,7 @@ class TinyModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSection:
+class ModelSection(Section):
     """``config.model``: the preset (see ``models.presets.PRESETS``), its local path, dtypes, layout.
 
     ``path``: a local HF directory (Qwen presets) or a GGUF file (``smollm2_135m``; None = the file
@@ -55,6 +57,8 @@ class ModelSection:
     KL reference, checkpoints hold the adapters only (``models.lora``;
     ``config.mode=export`` writes the merged model).
     """
+
+    KEY = "model"
 
     preset: str = "tiny"
     path: Optional[str] = None
@@ -82,11 +86,11 @@ class ModelSection:
     @property
     def tiny_dims(self) -> TinyModelConfig:
         """``tiny`` (a mapping, so each dimension is its own config key) as the validated dataclass."""
-        return section_from_dict(TinyModelConfig, "model.tiny", self.tiny)
+        return TinyModelConfig.from_dict(self.tiny)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(Section):
     """``config.trainer``: steps, logging, checkpoints, evaluation cadence, early-stop switches.
 
     ``resume``: continue from the latest checkpoint in ``workdir/checkpoints``. A workdir that already
@@ -98,6 +102,8 @@ class TrainerConfig:
     the step that crosses it is the last, and it is validated and checkpointed.
     Early-stop signals are always logged; the ``stop_on_*`` switches make them end the run.
     """
+
+    KEY = "trainer"
 
     total_steps: int = 200
     log_every: int = 1
@@ -144,7 +150,7 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WarmupConfig:
+class WarmupConfig(Section):
     """``config.warmup``: behaviour cloning on solver demonstrations before RL (``training.warmup``).
 
     ``single_turn_steps`` on first-turn conversations run first (with ``reading_target > 0`` a cap:
@@ -155,6 +161,8 @@ class WarmupConfig:
     ``cache_dir``: keep the warm-up's result there and reuse it in every run whose warm-up would be
     the same (``training.warmup_cache``; None = always run it).
     """
+
+    KEY = "warmup"
 
     steps: int = 0
     single_turn_steps: int = 0
@@ -181,13 +189,15 @@ class WarmupConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(Section):
     """``config.eval``: validation on fixed puzzles (``training.evaluate``).
 
     Seeds ``validation_seed ... + num_episodes - 1``, the same at every evaluation; each puzzle
     attempted ``pass_k`` times at ``temperature`` (0 = greedy). ``checkpoint_step``: in eval mode,
     which checkpoint to score (None = the latest).
     """
+
+    KEY = "eval"
 
     num_episodes: int = 512
     validation_seed: int = 123
@@ -205,7 +215,7 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
+class MeshConfig(Section):
     """``config.mesh``: the device mesh every array of the run lives on (``ragen_jax.models.sharding``).
 
     ``data`` splits the batch (weights replicated), ``fsdp`` splits the batch and shards weights and
@@ -214,6 +224,8 @@ class MeshConfig:
     others leave. The default (``data=-1``) is plain data parallelism over whatever devices exist: one
     CPU or one GPU gives a one-device mesh, and the run is the same as without one.
     """
+
+    KEY = "mesh"
 
     data: int = -1
     fsdp: int = 1
@@ -235,9 +247,11 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(Section):
     """``config.rollout``: the static settings of the rollout (``rollout.loop``): groups × group size,
     turns and action budgets, reply and transcript lengths, sampling, what a turn sees."""
+
+    KEY = "rollout"
 
     num_groups: int = 8  # G: distinct env reset keys
     group_size: int = 16  # K: rollouts per group (same reset key)

@@ -9,9 +9,9 @@ default (top-p 1.0, keep every group).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
-from ragen_jax.config.checks import check, check_int, check_number, section_from_dict
+from ragen_jax.config.checks import Section, check, check_int, check_number
 from ragen_jax.starpo import advantages, losses, snr_filter
 
 CRITIC_MODES = ("auto", "none", "shared", "separate")
@@ -23,7 +23,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class StarPOConfig:
+class StarPOConfig(Section):
     """The update step: advantages, PPO loss, optimisation.
 
     Advantages: ``adv_estimator`` (registry ``ADVANTAGE_ESTIMATORS``: gae, bilevel_gae, grpo, drgrpo);
@@ -72,6 +72,8 @@ class StarPOConfig:
       from; None = the rollout's ``temperature`` (resolved by the trainer's configuration), 1 for a
       caller that builds the update alone.
     """
+
+    KEY = "starpo"
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -142,9 +144,6 @@ class StarPOConfig:
 
     DEFAULT_MINI_BATCH_SIZE = 32
 
-    @classmethod
-    def from_dict(cls, values: Any) -> "StarPOConfig":
-        return section_from_dict(cls, "starpo", values)
 
     def __post_init__(self):
         s = "starpo"
@@ -309,7 +308,7 @@ class StarPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class FilterConfig:
+class FilterConfig(Section):
     """The SNR filter over groups. Defaults keep every group (top-p 1.0, include_zero).
 
     ``strategy`` (top_p | top_k | top_k_abs | min_p, registry ``FILTER_STRATEGIES``), ``value`` its
@@ -323,6 +322,8 @@ class FilterConfig:
     ``rollout.num_groups`` of them (uninformative groups fill what is still missing).
     """
 
+    KEY = "filter"
+
     strategy: str = "top_p"
     value: float = 1.0
     filter_type: str = "largest"
@@ -334,9 +335,6 @@ class FilterConfig:
     empty_stop_steps: int = 5
     dynamic_sampling_rounds: int = 0
 
-    @classmethod
-    def from_dict(cls, values: Any) -> "FilterConfig":
-        return section_from_dict(cls, "filter", values)
 
     def __post_init__(self):
         s = "filter"
@@ -360,7 +358,7 @@ class FilterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class CollapseConfig:
+class CollapseConfig(Section):
     """Collapse diagnostics, the MI proxy.
 
     Computed inside the update at global step 1 and every ``compute_freq`` steps on the pre-filter
@@ -375,6 +373,8 @@ class CollapseConfig:
     it (same numbers, far less compute when prompts are long); False scores every [x|z] sequence whole.
     """
 
+    KEY = "collapse"
+
     compute_freq: int = 5
     num_samples: int = 64
     first_turn_enabled: bool = True
@@ -388,9 +388,6 @@ class CollapseConfig:
     regime_entropy_ratio: float = 0.5
     prefix_cache: bool = True
 
-    @classmethod
-    def from_dict(cls, values: Any) -> "CollapseConfig":
-        return section_from_dict(cls, "collapse", values)
 
     def __post_init__(self):
         s = "collapse"
