@@ -141,6 +141,22 @@ class HostState:
                 "summary": self.summary}
 
 
+@dataclasses.dataclass
+class Loop:
+    """What the stages of one run's loop share: the spec, the assembled run, the host-side state, the
+    writers (TensorBoard, checkpoints, validation transcripts) and the run's clock (wall, CPU)."""
+
+    spec: RunSpec
+    run: Setup
+    host: HostState
+    evaluator: Evaluator | None
+    logger: Logger
+    ckpt: Checkpointer
+    transcripts: Path | None  # validation transcripts (JSONL); None: not written by this process
+    clock: tuple[float, float]
+    step_callback: Callable[[int, dict], None] | None = None
+
+
 def train(spec: RunSpec, step_callback: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Run (or resume) training as configured; returns the final summary metrics.
 
@@ -176,19 +192,19 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
         if transcripts is not None:
             trim_records(transcripts, start_step if resume else -1)
         trim_events(workdir / "tensorboard", start_step if resume else -1)
-    logger = Logger(workdir / "tensorboard", enabled=main)
+    loop = Loop(spec, run, host, evaluator, Logger(workdir / "tensorboard", enabled=main), ckpt, transcripts,
+                clock, step_callback)
     try:
         if not resume:
-            train_state = _warm_up_and_validate(spec, run, train_state, host, evaluator, logger, transcripts)
+            train_state = _warm_up_and_validate(loop, train_state)
             ckpt.save(0, saved_part(train_state), host.meta(0))
-        step, stop_reason = _run_steps(spec, run, train_state, host, start_step, evaluator, logger, ckpt,
-                                       transcripts, clock, step_callback)
+        step, stop_reason = _run_steps(loop, train_state, start_step)
     except BaseException:
-        _close_after_failure(logger)
+        _close_after_failure(loop.logger)
         raise
-    logger.close()
+    loop.logger.close()
     ckpt.close()
-    return _finish(spec, host, step, stop_reason, clock, write=main)
+    return _finish(loop, step, stop_reason, write=main)
 
 
 def _close_after_failure(logger: Logger) -> None:
@@ -203,10 +219,10 @@ def _close_after_failure(logger: Logger) -> None:
         pass
 
 
-def _run_steps(spec: RunSpec, run: Setup, train_state, host: "HostState", start_step: int, evaluator,
-               logger: Logger, ckpt: Checkpointer, transcripts, clock, step_callback) -> tuple[int, str | None]:
+def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | None]:
     """The StarPO steps from ``start_step``: rollout → update → log → validate → checkpoint.
     -> ``(last step, stop reason or None)``."""
+    spec, run, host = loop.spec, loop.run, loop.host
     t = spec.trainer
     steps, bar = _steps(spec, start_step, show=run.placement.is_main)
     base_key = jax.random.key(spec.seed)
@@ -218,24 +234,23 @@ def _run_steps(spec: RunSpec, run: Setup, train_state, host: "HostState", start_
                                                  _analyses_gradients(t.gradient_analysis_every, step))
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
-        _log_step(spec, logger, step, metrics, traj, host, run.tokenizer, run.placement)
-        out_of_time = bool(t.time_limit_minutes) and time.time() - clock[0] >= 60.0 * t.time_limit_minutes
+        _log_step(loop, step, metrics, traj)
+        out_of_time = bool(t.time_limit_minutes) and time.time() - loop.clock[0] >= 60.0 * t.time_limit_minutes
         if out_of_time:  # this step is the last, and it gets the final validation
             stop_reason = f"time limit of {t.time_limit_minutes:g} min reached"
-        if evaluator is not None and t.eval_every and (step % t.eval_every == 0 or step == t.total_steps
-                                                       or out_of_time):
-            stop_reason = _validate(spec, evaluator, train_state, step, host, logger, metrics,
-                                    transcripts) or stop_reason
+        if loop.evaluator is not None and t.eval_every and (step % t.eval_every == 0 or step == t.total_steps
+                                                            or out_of_time):
+            stop_reason = _validate(loop, train_state, step, metrics) or stop_reason
         stop_reason = _early_stop_reason(spec, host, metrics) or stop_reason
         host.summary.update({k: metrics[k] for k in ("train/success", "train/return") if k in metrics})
-        if step_callback is not None:
+        if loop.step_callback is not None:
             try:
-                step_callback(step, metrics)
+                loop.step_callback(step, metrics)
             except StopTraining:
                 stop_reason = "interrupted by callback"
         # A stopped run always saves its last step, so a resume continues exactly where it ended.
         if step % t.save_every == 0 or step == t.total_steps or stop_reason:
-            ckpt.save(step, saved_part(train_state), host.meta(step))
+            loop.ckpt.save(step, saved_part(train_state), host.meta(step))
         if bar is not None:
             bar.set_postfix(_progress_fields(metrics))
         if stop_reason:
@@ -382,9 +397,10 @@ def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
     return own(train_state), HostState.from_meta(meta), step
 
 
-def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostState, evaluator, logger, transcripts):
+def _warm_up_and_validate(loop: Loop, train_state):
     """A new run: behaviour cloning (when configured; restored when ``warmup.cache_dir`` holds this
     config's), then the "after warm-up" validation at step 0."""
+    spec, run, host, logger = loop.spec, loop.run, loop.host, loop.logger
     w = spec.warmup
     warms = w.steps > 0 or w.single_turn_steps > 0
     # The cache is keyed by the whole resolved config (what the run saves), so it keeps the ConfigDict.
@@ -407,10 +423,10 @@ def _warm_up_and_validate(spec: RunSpec, run: Setup, train_state, host: HostStat
         logger.scalars(0, warm_summary)
         host.summary.update(warm_summary)
     validation = None
-    if evaluator is not None and spec.trainer.eval_before_train:
+    if loop.evaluator is not None and spec.trainer.eval_before_train:
         validation = cached.validation if cached is not None else None
         if validation is None:
-            validation = evaluator.evaluate(policy_params(train_state), 0, transcripts)
+            validation = loop.evaluator.evaluate(policy_params(train_state), 0, loop.transcripts)
         val, puzzles = validation
         logger.scalars(0, val)
         _record_validation(host, 0, val, puzzles)
@@ -446,9 +462,9 @@ def _track(spec: RunSpec, host: HostState, step: int, metrics: dict) -> None:
         host.history["quadrant"].append([step, float(mi), float(ce)])
 
 
-def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, host: HostState, tokenizer,
-              placement) -> None:
+def _log_step(loop: Loop, step: int, metrics: dict, traj) -> None:
     """TensorBoard: the step's scalars, the MI quadrant when it moved, a sample transcript."""
+    spec, host, logger = loop.spec, loop.host, loop.logger
     t = spec.trainer
     if step % t.log_every == 0:
         logger.scalars(step, metrics)
@@ -459,18 +475,17 @@ def _log_step(spec: RunSpec, logger: Logger, step: int, metrics: dict, traj, hos
                                                                 spec.collapse.regime_mi_ratio,
                                                                 spec.collapse.regime_entropy_ratio))
     if t.transcript_every and step % t.transcript_every == 0:
-        tokens, valid = placement.fetch((traj.tokens, traj.valid_mask))  # a collective: every process
-        logger.text(step, "transcripts/train", codec_lib.decode(tokenizer, tokens[0][valid[0]]))
+        tokens, valid = loop.run.placement.fetch((traj.tokens, traj.valid_mask))  # a collective: every process
+        logger.text(step, "transcripts/train", codec_lib.decode(loop.run.tokenizer, tokens[0][valid[0]]))
 
 
-def _validate(spec: RunSpec, evaluator, train_state, step: int, host: HostState, logger: Logger, metrics: dict,
-              transcripts) -> str | None:
+def _validate(loop: Loop, train_state, step: int, metrics: dict) -> str | None:
     """Validation on the fixed puzzles; returns a stop reason when ``trainer.stop_on_success`` is met."""
-    threshold = spec.trainer.stop_on_success
-    val, puzzles = evaluator.evaluate(policy_params(train_state), step, transcripts)
-    logger.scalars(step, val)
+    threshold = loop.spec.trainer.stop_on_success
+    val, puzzles = loop.evaluator.evaluate(policy_params(train_state), step, loop.transcripts)
+    loop.logger.scalars(step, val)
     metrics.update(val)
-    _record_validation(host, step, val, puzzles)
+    _record_validation(loop.host, step, val, puzzles)
     if threshold and val["val/success"] >= threshold:
         return f"validation success {val['val/success']:.3f} >= {threshold}"
     return None
@@ -502,12 +517,12 @@ def _progress_fields(metrics: dict) -> dict[str, str]:
             "MI": "-" if mi is None else f"{mi:.3f}", "tok_s": f"{metrics['timing_s/tokens_per_s']:.0f}"}
 
 
-def _finish(spec: RunSpec, host: HostState, step: int, stop_reason: str | None, clock,
-            write: bool = True) -> dict[str, Any]:
+def _finish(loop: Loop, step: int, stop_reason: str | None, write: bool = True) -> dict[str, Any]:
     """Summary (also ``summary.json``), the learning curve image and the console report (``write``:
     this process is the one that writes them; every process returns the summary)."""
+    spec, clock = loop.spec, loop.clock
     workdir = Path(spec.workdir)
-    summary, history = host.summary, host.history
+    summary, history = loop.host.summary, loop.host.history
     summary["steps"] = float(step)
     summary["seconds"] = time.time() - clock[0]
     # CPU time of this process (all threads): on a shared machine, wall time alone misleads.

@@ -132,7 +132,7 @@ def test_a_computation_without_enough_parseable_reasonings_is_no_mi_reading():
                 metrics(0.0, parsed=False), metrics(0.0, parsed=False), metrics(0.5)]
     for step, m in enumerate(sequence, 1):
         _track(spec, host, step, m)
-        _log_step(spec, logger, step, m, None, host, None, None)
+        _log_step(types.SimpleNamespace(spec=spec, host=host, logger=logger, run=None), step, m, None)
     assert [m["early_stop/mi_below_steps"] for m in sequence] == [0, 0, 0, 0, 0, 0, 1]
     assert [m["early_stop/mi_collapse"] for m in sequence] == [0] * 7
     assert [q[0] for q in host.history["quadrant"]] == [1, 2, 7]
