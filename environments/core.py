@@ -211,10 +211,10 @@ class Environment(AgentFacing, abc.ABC):
 
     # --- text -----------------------------------------------------------------------------
     @property
-    @abc.abstractmethod
     def piece_table(self) -> tuple[str, ...]:
-        """Static strings that ``render_pieces`` indexes into (host)."""
-        ...
+        """Static strings that ``render_pieces`` indexes into (host): those of the environment's
+        ``render.PieceTable``, which it builds in its constructor as ``self._table``."""
+        return self._table.pieces
 
     @abc.abstractmethod
     def render_pieces(self, state, params, fmt: str | None = None) -> tuple[chex.Array, chex.Array]:
@@ -224,10 +224,10 @@ class Environment(AgentFacing, abc.ABC):
     def render_text(self, state, fmt: str | None = None) -> str:
         ...
 
-    @abc.abstractmethod
     def legend(self) -> str:
-        """The symbol legend of the configured table, e.g. ``"#: wall, _: empty, ..."``."""
-        ...
+        """The symbol legend of the configured table, e.g. ``"#: wall, _: empty, ..."`` (default: none,
+        for an environment whose text needs no symbols explained)."""
+        return ""
 
     def check_format(self, fmt: str | None) -> str:
         fmt = self.observation_format if fmt is None else fmt

@@ -162,10 +162,6 @@ class Bandit(Environment):
         return self.shown_arms(state)[None, :]
 
     # --- text -----------------------------------------------------------------------------
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
     def render_pieces(self, state: BanditState, params=None, fmt: str | None = None):
         """The instruction as ``(pieces int32 [2 * slots + 1], n)``: segments interleaved with names."""
         self.check_format(fmt)

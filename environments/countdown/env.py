@@ -314,13 +314,6 @@ class Countdown(Environment):
         return jnp.concatenate([state.target[None], state.numbers])[None]
 
     # --- text -----------------------------------------------------------------------------
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
-    def legend(self) -> str:
-        return ""
-
     def render_pieces(self, state: CountdownState, params=None, fmt: str | None = None):
         self.check_format(fmt)
         t = self._table

@@ -439,10 +439,6 @@ class FrozenLake(Environment):
         self._symbol_ids = np.asarray(table.ids([self.grid_lookup[c] for c in range(6)]), np.int32)
         self._coord_ids = render.coord_ids(table, n, n)
 
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
     def render_pieces(self, state: FrozenLakeState, params=None, fmt: str | None = None):
         """Device render of one state -> ``(pieces int32 [max_pieces(fmt)], n int32)``."""
         fmt = self.check_format(fmt)

@@ -214,13 +214,6 @@ class Game2048(Environment):
         return state.board
 
     # --- text -----------------------------------------------------------------------------
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
-    def legend(self) -> str:
-        return ""
-
     def render_pieces(self, state: Game2048State, params=None, fmt: str | None = None):
         self.check_format(fmt)
         t = self._table

@@ -119,13 +119,6 @@ class RubiksCube(Environment):
         return state.stickers.reshape(6, 4)
 
     # --- text -----------------------------------------------------------------------------
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
-    def legend(self) -> str:
-        return ""
-
     def render_pieces(self, state: CubeState, params=None, fmt: str | None = None):
         self.check_format(fmt)
         t = self._table

@@ -326,13 +326,6 @@ class Sudoku(Environment):
         t.extend([".", ". ", "\n" + "-" * (n * 2 + k - 1) + "\n"] + [f"{v} " for v in range(1, n + 1)])
         self._table = t
 
-    @property
-    def piece_table(self) -> tuple[str, ...]:
-        return self._table.pieces
-
-    def legend(self) -> str:
-        return ""
-
     def _id(self, s: str) -> int:
         return self._table.id(s)
 
