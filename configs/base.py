@@ -16,6 +16,7 @@ an unknown key fails with the allowed names):
   warmup    WarmupConfig   (behaviour cloning before RL)
   eval      EvalConfig     (fixed validation seeds, temperature, pass@k)
   mesh      MeshConfig     (device mesh: data, fsdp, tensor axis sizes)
+  logging   LoggingConfig  (Weights & Biases besides TensorBoard)
 
 all in ``ragen_jax.config`` (``config/sections.py``, StarPO's three in ``config/starpo.py``).
 
@@ -29,8 +30,8 @@ import typing
 
 from ml_collections import ConfigDict, config_dict
 
-from ragen_jax.config import (CollapseConfig, EvalConfig, FilterConfig, MeshConfig, ModelSection, RolloutConfig,
-                              StarPOConfig, TrainerConfig, WarmupConfig)
+from ragen_jax.config import (CollapseConfig, EvalConfig, FilterConfig, LoggingConfig, MeshConfig, ModelSection,
+                              RolloutConfig, StarPOConfig, TrainerConfig, WarmupConfig)
 from ragen_jax.config.checks import field_defaults
 
 
@@ -104,6 +105,8 @@ def get_config() -> ConfigDict:
     c.eval = dataclass_section(EvalConfig)
     # Device mesh (data × fsdp × tensor = all devices; default: data parallel over every device).
     c.mesh = dataclass_section(MeshConfig)
+    # Weights & Biases besides TensorBoard (logging.wandb=True; project, entity, run_name, tags, mode).
+    c.logging = dataclass_section(LoggingConfig)
     return c
 
 

@@ -21,8 +21,8 @@ from ml_collections import ConfigDict
 import environments
 from environments.core import AgentFacing
 from ragen_jax.config.checks import check_choice, check_keys
-from ragen_jax.config.sections import (TOP_LEVEL_KEYS, EvalConfig, MeshConfig, ModelSection, RolloutConfig,
-                                       TrainerConfig, WarmupConfig)
+from ragen_jax.config.sections import (TOP_LEVEL_KEYS, EvalConfig, LoggingConfig, MeshConfig, ModelSection,
+                                       RolloutConfig, TrainerConfig, WarmupConfig)
 from ragen_jax.config.starpo import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.models.presets import PRESETS
 from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS
@@ -55,6 +55,7 @@ class RunSpec:
     warmup: WarmupConfig
     eval: EvalConfig
     mesh: MeshConfig
+    logging: LoggingConfig
 
     @property
     def preset(self) -> str:
@@ -74,7 +75,7 @@ def _fail(msg: str):
 # Config section name -> the frozen dataclass whose fields are that section's keys.
 SECTIONS: dict[str, type] = dict(model=ModelSection, trainer=TrainerConfig, warmup=WarmupConfig, eval=EvalConfig,
                                  mesh=MeshConfig, rollout=RolloutConfig, starpo=StarPOConfig, filter=FilterConfig,
-                                 collapse=CollapseConfig)
+                                 collapse=CollapseConfig, logging=LoggingConfig)
 
 
 def _choice(key: str, value, allowed) -> None:
@@ -166,8 +167,8 @@ def resolve(config: ConfigDict) -> RunSpec:
               "logs and transcripts); pass another path with --config.workdir=...")
 
     # Trainer-side sections: unknown keys (typos inside a config file too) and bad values.
-    model, trainer, warmup, evaluation, mesh = (_build(name, cls[name], config[name].to_dict())
-                                                for name in ("model", "trainer", "warmup", "eval", "mesh"))
+    model, trainer, warmup, evaluation, mesh, logs = (_build(name, cls[name], config[name].to_dict())
+                                                      for name in ("model", "trainer", "warmup", "eval", "mesh", "logging"))
 
     # Model preset and path.
     preset = config.model.preset
@@ -214,7 +215,7 @@ def resolve(config: ConfigDict) -> RunSpec:
     return RunSpec(config=config, mode=config.mode, workdir=config.workdir, seed=int(config.seed),
                    env_name=env_name, env_kwargs=env_kwargs, env_param_kwargs=env_param_kwargs, model=model,
                    rollout=rollout, starpo=starpo, filter=filt, collapse=collapse, trainer=trainer,
-                   warmup=warmup, eval=evaluation, mesh=mesh)
+                   warmup=warmup, eval=evaluation, mesh=mesh, logging=logs)
 
 
 def _warn_off_policy_ratio(rollout, starpo) -> None:

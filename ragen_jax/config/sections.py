@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ragen_jax.config.checks import Section, check_choice, check_int, check_number
+from ragen_jax.config.checks import Section, check, check_choice, check_int, check_number
 from ragen_jax.models.config import LORA_TARGETS
 from ragen_jax.rollout.context import CONTEXT_MODES
 from ragen_jax.starpo import gradient_analysis
@@ -304,6 +304,38 @@ class RolloutConfig(Section):
 
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig(Section):
+    """``config.logging``: where a run's metrics go besides TensorBoard (always on).
+
+    ``wandb=True`` also logs to Weights & Biases (``training.wandb_sink``) from the main process: the
+    same scalars, the MI quadrant and learning-curve images, the sample transcripts as a table.
+    ``project`` / ``entity`` / ``run_name`` (None: the workdir's name) / ``tags`` name the run;
+    ``mode`` online | offline | disabled (None: W&B's own choice, ``WANDB_MODE`` or online). A resumed
+    run continues the same W&B run (its id is kept in ``<workdir>/wandb_run_id``).
+    """
+
+    KEY = "logging"
+
+    wandb: bool = False
+    project: str = "ragen_jax"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    tags: tuple = ()
+    mode: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tags", tuple(self.tags))
+        check(isinstance(self.wandb, bool), f"logging.wandb={self.wandb!r} must be True or False")
+        check(isinstance(self.project, str) and bool(self.project), f"logging.project={self.project!r} must be a name")
+        check(all(isinstance(t, str) for t in self.tags), f"logging.tags={list(self.tags)!r} must be strings")
+        if self.mode is not None:
+            check_choice("logging.mode", self.mode, WANDB_MODES)
+
+
 # Top level of a run's config: scalars and the section names.
 TOP_LEVEL_KEYS = ("mode", "workdir", "seed", "compilation_cache_dir", "env", "model", "rollout", "starpo",
-                  "filter", "collapse", "trainer", "warmup", "eval", "mesh")
+                  "filter", "collapse", "trainer", "warmup", "eval", "mesh", "logging")

@@ -100,15 +100,17 @@ class LoggingError(OSError):
 
 
 class Logger:
-    """TensorBoard writer (tensorboardX).
+    """TensorBoard writer (tensorboardX), and any further ``sinks`` (``wandb_sink.WandbSink``) that take
+    the same ``scalars`` / ``image`` / ``text`` / ``close`` calls.
 
     An events file deleted while the run writes to it is noticed at the next step's scalars: a
     warning names it and a new file takes the rest of the run (nothing is written into the void).
     """
 
-    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True):
+    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True, sinks: tuple = ()):
         self.log_dir = Path(log_dir)
         self.enabled = enabled
+        self.sinks = tuple(sinks) if enabled else ()
         self._writer = None
         if enabled:
             self._open()
@@ -179,6 +181,8 @@ class Logger:
               f"is gone, step {step} on goes to {self.events_file}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            sink.scalars(step, metrics)
         if not self._writer:
             return
         self._check_file(step)
@@ -188,12 +192,16 @@ class Logger:
                 self._writer.add_scalar(name, value, step)
 
     def text(self, step: int, tag: str, text: str) -> None:
+        for sink in self.sinks:
+            sink.text(step, tag, text)
         self._check_writer()
         if self._writer:
             # Markdown code block: keeps the board's line breaks in TensorBoard's text view.
             self._writer.add_text(tag, "```\n" + text + "\n```", step)
 
     def image(self, step: int, tag: str, rgb: np.ndarray) -> None:
+        for sink in self.sinks:
+            sink.image(step, tag, rgb)
         self._check_writer()
         if self._writer:
             self._writer.add_image(tag, rgb, step, dataformats="HWC")
@@ -208,7 +216,12 @@ class Logger:
                 raise LoggingError(e.errno, f"{e.strerror or e}: the TensorBoard events file {self.log_dir} could "
                                             "not be written") from None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the writer and the sinks (``failed``: the run ended with an error, which a sink
+        such as W&B records)."""
+        sinks, self.sinks = self.sinks, ()
+        for sink in sinks:
+            sink.close(failed)
         if self._writer and not self._writer_alive():
             self._abandon_writer()  # a dead writer's queue is never drained: closing it would hang
         if self._writer:

@@ -36,7 +36,9 @@ from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.run import Setup, make_placement, setup
 from ragen_jax.training.warmup import run_warmup
 from ragen_jax.training.warmup_cache import WarmupCache
-from ragen_jax.training.workdir import WorkdirLock, explain_mismatch, prepare_training_workdir, trim_records
+from ragen_jax.training.wandb_sink import WandbSink
+from ragen_jax.training.workdir import (WorkdirLock, config_as_json, explain_mismatch, prepare_training_workdir,
+                                        trim_records)
 
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
 MI_KEY = "collapse_first_turn_sample/mi_estimate"
@@ -63,8 +65,9 @@ def _mi_values(metrics: dict) -> tuple[float | None, float | None, bool]:
     return metrics.get(MI_KEY), metrics.get(COND_ENT_KEY), True
 
 
-def _save_curve(path: Path, history: dict) -> None:
-    """Learning curve: training success per step and validation success (with the warm-up mark)."""
+def _save_curve(path: Path, history: dict) -> np.ndarray:
+    """Learning curve: training success per step and validation success (with the warm-up mark),
+    saved as ``path``; returns the image (RGB ``[H, W, 3]``) for the loggers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +95,10 @@ def _save_curve(path: Path, history: dict) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    fig.canvas.draw()
+    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
+    return rgb
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
@@ -192,19 +198,21 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
         if transcripts is not None:
             trim_records(transcripts, start_step if resume else -1)
         trim_events(workdir / "tensorboard", start_step if resume else -1)
-    loop = Loop(spec, run, host, evaluator, Logger(workdir / "tensorboard", enabled=main), ckpt, transcripts,
-                clock, step_callback)
+    sinks = (WandbSink(spec.logging, workdir, config_as_json(spec.config)),) if spec.logging.wandb and main else ()
+    loop = Loop(spec, run, host, evaluator, Logger(workdir / "tensorboard", enabled=main, sinks=sinks), ckpt,
+                transcripts, clock, step_callback)
     try:
         if not resume:
             train_state = _warm_up_and_validate(loop, train_state)
             ckpt.save(0, saved_part(train_state), host.meta(0))
         step, stop_reason = _run_steps(loop, train_state, start_step)
+        result = _finish(loop, step, stop_reason, write=main)
     except BaseException:
         _close_after_failure(loop.logger)
         raise
     loop.logger.close()
     ckpt.close()
-    return _finish(loop, step, stop_reason, write=main)
+    return result
 
 
 def _close_after_failure(logger: Logger) -> None:
@@ -214,7 +222,7 @@ def _close_after_failure(logger: Logger) -> None:
     is already committed, and closing it after a failed save only wakes orbax's threads. A failure
     while closing is secondary to the one being raised: it is dropped."""
     try:
-        logger.close()
+        logger.close(failed=True)
     except Exception:  # noqa: BLE001 - the original error is the one the user needs
         pass
 
@@ -531,7 +539,7 @@ def _finish(loop: Loop, step: int, stop_reason: str | None, write: bool = True) 
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
     if write:
-        _save_curve(workdir / "learning_curve.png", history)
+        loop.logger.image(step, "curves/learning_curve", _save_curve(workdir / "learning_curve.png", history))
         (workdir / "summary.json").write_text(json.dumps({"summary": summary, "stop_reason": stop_reason,
                                                           "history": history}, indent=1))
         print(_console_summary(spec, summary, stop_reason, workdir))

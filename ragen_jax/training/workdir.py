@@ -37,6 +37,8 @@ RESUME_SAFE_KEYS = (
     "trainer.resume", "trainer.overwrite", "trainer.stop_on_success", "trainer.eval_before_train",
     "eval.write_transcripts", "eval.checkpoint_step", "mode", "workdir", "compilation_cache_dir",
     "warmup.cache_dir",  # where a warm-up is kept, not what it computes
+    # Where the metrics go besides TensorBoard.
+    "logging.wandb", "logging.project", "logging.entity", "logging.run_name", "logging.tags", "logging.mode",
     # A checkpoint restores onto any mesh (orbax reshards it), so a run may resume on other hardware.
     "mesh.data", "mesh.fsdp", "mesh.tensor",
     # The gradient analysis measures; it changes no parameter.
