@@ -37,7 +37,9 @@ setup(
         # gymnax 1.0.1 imports six without declaring it (python-dateutil 4 no longer brings it in).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
                  "gymnax>=1.0.1", "six>=1.16", "datasets>=3", "bm25s>=0.2", "textworld>=1.6",
-                 "fastapi>=0.110", "uvicorn>=0.29", "wandb>=0.19"],
+                 "fastapi>=0.110", "uvicorn>=0.29", "wandb>=0.19", "openai>=1.40"],
+        # The OpenAI-compatible server (python -m ragen_jax.serve) and its client.
+        "api": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
         # Weights & Biases besides TensorBoard (config.logging.wandb=True).
         "wandb": ["wandb>=0.19"],
         # The Python text environments: dataset files (math QA, Search QA), BM25 retrieval and its

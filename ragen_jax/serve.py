@@ -1,0 +1,407 @@
+"""Serve a policy behind an OpenAI-compatible API: ``/v1/chat/completions`` and ``/v1/models``.
+
+    python -m ragen_jax.serve --workdir runs/frozen_lake            # the run's newest checkpoint
+    python -m ragen_jax.serve --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-0.5b \\
+        --config.model.path=/models/Qwen2.5-0.5B-Instruct           # a preset's own weights (HF / GGUF)
+
+A workdir is served with the config it was trained with (``config.json``) and its newest intact
+checkpoint; a LoRA run's adapters go onto the base its config names. Any OpenAI client talks to it:
+``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")``.
+
+Requests that arrive together share one decode: a batcher collects what is waiting (up to
+``--max_batch`` rows, ``n`` rows per request, for at most ``--batch_window_ms``), pads the prompts to
+one length and runs prefill + ``models.sampler.generate`` once for all of them, each row with its own
+temperature, top-p and key. Shapes are bucketed (rows and prompt length to powers of two, the token
+budget to multiples of 64), so a handful of programs serve every request.
+
+Supported fields: ``model``, ``messages`` (``system`` / ``user`` / ``assistant``, text content),
+``temperature``, ``top_p``, ``max_tokens`` (<= ``--max_tokens_limit``), ``stop`` (up to 4 strings:
+the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``seed``. Any other field
+(``stream``, ``tools``, ``logprobs``, ...) is refused with a 400 that names it; a body over
+``--max_body_bytes`` with a 413. The server binds 127.0.0.1 unless ``--host`` says otherwise, and
+then warns: it has no authentication.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+MAX_STOP = 4
+MAX_N = 8
+TOKEN_BUCKET = 64
+
+
+def _bucket_pow2(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    """One chat completion's rows: ``prompt`` token ids, and how each of its ``n`` rows samples."""
+
+    prompt: list[int]
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int
+    future: Any = None  # asyncio.Future set by the batcher: list of (text, finish_reason, tokens)
+
+
+class Generator:
+    """Prefill + sampling over a padded batch of prompts, one compiled program per bucket.
+
+    ``params`` is the policy's whole state (a LoRA run's adapters merged with their base).
+    """
+
+    def __init__(self, graphdef, params, model_cfg, tokenizer, *, max_seq_len: int, max_batch: int):
+        import jax
+
+        from ragen_jax.rollout.chat import chat_framing
+
+        self.graphdef, self.params, self.model_cfg, self.tokenizer = graphdef, params, model_cfg, tokenizer
+        self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        framing = chat_framing(tokenizer)
+        stop = {tokenizer.convert_tokens_to_ids(framing.end_of_turn)}
+        if tokenizer.eos_token_id is not None:
+            stop.add(int(tokenizer.eos_token_id))
+        self.stop_ids = np.asarray(sorted(i for i in stop if i is not None and i >= 0), np.int32)
+        self._programs: dict[tuple[int, int, int], Any] = {}
+        self._lock = threading.Lock()  # one decode at a time (the batcher already serialises them)
+        self._jax = jax
+        self.batches_run = 0
+
+    def prompt_tokens(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _program(self, rows: int, width: int, budget: int):
+        key = (rows, width, budget)
+        if key not in self._programs:
+            jax, jnp = self._jax, self._jax.numpy
+            from flax import nnx
+
+            from ragen_jax.models.kv_cache import init_cache
+            from ragen_jax.models.sampler import SamplingConfig, generate, prefill
+
+            cfg, stop_ids = self.model_cfg, jnp.asarray(self.stop_ids)
+
+            def run(params, tokens, lengths, keys, temperature, top_p):
+                model = nnx.merge(self.graphdef, params)
+                cache = init_cache(cfg, rows, width + budget)
+                last, cache = prefill(model, cache, tokens, jnp.zeros((rows,), jnp.int32), lengths)
+                sampling = SamplingConfig(temperature=temperature, top_k=jnp.zeros((rows,), jnp.int32),
+                                          top_p=top_p)
+                out = generate(model, cache, last, lengths, lengths > 0, keys, sampling, stop_ids,
+                               jnp.full((0, 0), -1, jnp.int32), budget)
+                return out.tokens, out.lengths, out.stopped
+
+            self._programs[key] = jax.jit(run)
+        return self._programs[key]
+
+    def run(self, requests: list[ChatRequest]) -> list[list[tuple[str, str, int]]]:
+        """Every row of ``requests`` in one decode -> per request, per row ``(text, finish_reason,
+        completion tokens)``."""
+        jax, jnp = self._jax, self._jax.numpy
+        rows = [(i, j) for i, r in enumerate(requests) for j in range(r.n)]
+        width = _bucket_pow2(max(len(r.prompt) for r in requests), self.max_seq_len)
+        budget = -(-max(r.max_tokens for r in requests) // TOKEN_BUCKET) * TOKEN_BUCKET
+        budget = min(budget, self.max_seq_len - width)
+        batch = _bucket_pow2(len(rows), self.max_batch)
+        tokens = np.zeros((batch, width), np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        temperature = np.zeros((batch,), np.float32)
+        top_p = np.ones((batch,), np.float32)
+        keys = []
+        for b, (i, j) in enumerate(rows):
+            r = requests[i]
+            tokens[b, :len(r.prompt)] = r.prompt
+            lengths[b] = len(r.prompt)
+            temperature[b], top_p[b] = r.temperature, r.top_p
+            keys.append(jax.random.fold_in(jax.random.key(r.seed), j))
+        keys += [jax.random.key(0)] * (batch - len(rows))
+        with self._lock:
+            out_tokens, out_lengths, stopped = self._program(batch, width, budget)(
+                self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.stack(keys), jnp.asarray(temperature),
+                jnp.asarray(top_p))
+            out_tokens, out_lengths, stopped = jax.device_get((out_tokens, out_lengths, stopped))
+            self.batches_run += 1
+        results: list[list] = [[] for _ in requests]
+        for b, (i, j) in enumerate(rows):
+            results[i].append(self._finish(requests[i], out_tokens[b], int(out_lengths[b]), bool(stopped[b])))
+        return results
+
+    def _finish(self, r: ChatRequest, tokens: np.ndarray, length: int, stopped: bool) -> tuple[str, str, int]:
+        """The reply text (the stop token and anything past the request's budget or its first stop
+        string left out) and why it ended."""
+        ids = [int(t) for t in tokens[:min(length, r.max_tokens)]]
+        ended = stopped and length <= r.max_tokens
+        if ended:
+            ids = ids[:-1]  # the end-of-turn / eos token is not part of the message
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = [text.index(s) for s in r.stop if s in text]
+        if cut:
+            return text[:min(cut)], "stop", len(ids)
+        return text, "stop" if ended else "length", len(ids)
+
+
+class Batcher:
+    """Collects concurrent requests into decode batches (one decode at a time, in a worker thread)."""
+
+    def __init__(self, generator: Generator, window_s: float):
+        self.generator, self.window_s = generator, window_s
+        self.queue: asyncio.Queue | None = None
+        self.requests_served = 0
+
+    async def submit(self, request: ChatRequest):
+        request.future = asyncio.get_running_loop().create_future()
+        await self.queue.put(request)
+        return await request.future
+
+    async def worker(self) -> None:
+        while True:
+            first = await self.queue.get()
+            batch, rows = [first], first.n
+            deadline = time.monotonic() + self.window_s
+            while rows < self.generator.max_batch:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    nxt = await asyncio.wait_for(self.queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    break
+                if rows + nxt.n > self.generator.max_batch:
+                    await self.queue.put(nxt)  # the next batch's (order within a window is not kept)
+                    break
+                batch.append(nxt)
+                rows += nxt.n
+            try:
+                results = await asyncio.to_thread(self.generator.run, batch)
+            except Exception as e:  # noqa: BLE001 - each waiting request gets the error
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            self.requests_served += len(batch)
+            for r, res in zip(batch, results):
+                if not r.future.done():
+                    r.future.set_result(res)
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with a 400; the message names the field."""
+
+
+ALLOWED_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "stop", "n", "seed"}
+ROLES = ("system", "user", "assistant")
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRequest(f"'{key}' must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _integer(body: dict, key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"'{key}' must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> ChatRequest:
+    """A chat completion body -> ``ChatRequest`` (raises ``BadRequest`` naming the field)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - ALLOWED_FIELDS)
+    if unknown:
+        raise BadRequest(f"unsupported field(s): {', '.join(map(repr, unknown))}; this server supports "
+                         f"{', '.join(sorted(ALLOWED_FIELDS))}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{k}] must be {{'role': one of {ROLES}, 'content': a string}}")
+        if set(m) - {"role", "content", "name"}:
+            raise BadRequest(f"messages[{k}] has unsupported field(s) {sorted(set(m) - {'role', 'content', 'name'})}")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings")
+    max_tokens = _integer(body, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit)
+    prompt = generator.prompt_tokens([{"role": m["role"], "content": m["content"]} for m in messages])
+    if len(prompt) + max_tokens > generator.max_seq_len:
+        raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the server's "
+                         f"context of {generator.max_seq_len} tokens; shorten the messages or lower max_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+    return ChatRequest(prompt=prompt, n=_integer(body, "n", 1, 1, MAX_N),
+                   temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+                   max_tokens=max_tokens, stop=tuple(stop),
+                   seed=secrets.randbits(31) if seed is None else seed % (1 << 31))
+
+
+def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
+             batch_window_ms: float = 10.0):
+    """The FastAPI application (``app.state.batcher`` counts requests and decode batches)."""
+    batcher = Batcher(generator, batch_window_ms / 1000.0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher.queue = asyncio.Queue()  # on the server's own event loop
+        worker = asyncio.create_task(batcher.worker())
+        yield
+        worker.cancel()
+
+    app = FastAPI(title="ragen_jax policy server", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "ragen_jax"}]}
+
+    @app.get("/stats")
+    async def stats():
+        return {"requests": batcher.requests_served, "decode_batches": generator.batches_run}
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        size = http.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error(413, f"the body ({size} bytes) is over the server's limit of {max_body_bytes} bytes")
+        raw = b""
+        async for chunk in http.stream():
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                return error(413, f"the body is over the server's limit of {max_body_bytes} bytes")
+        import json
+
+        try:
+            body = json.loads(raw)
+            request = parse_request(body, generator, max_tokens_limit)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the body is not JSON")
+        except BadRequest as e:
+            return error(400, str(e))
+        rows = await batcher.submit(request)
+        choices = [{"index": k, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                    "logprobs": None} for k, (text, reason, _) in enumerate(rows)]
+        completion = sum(n for _, _, n in rows)
+        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
+                          "total_tokens": len(request.prompt) + completion}}
+
+    return app
+
+
+def load_policy(spec, workdir: str | None):
+    """``(graphdef, params, model_cfg, tokenizer)``: the newest intact checkpoint of ``workdir``'s run
+    (a LoRA run's adapters on their base), or the preset's own weights without a workdir."""
+    import jax
+    from flax import nnx
+
+    from ragen_jax.models.lora import merge_lora
+    from ragen_jax.starpo.train_state import policy_params
+    from ragen_jax.training.checkpoint import Checkpointer
+    from ragen_jax.training.evaluate import _checkpointed_policy
+    from ragen_jax.training.run import setup
+
+    run = setup(spec)
+    params = policy_params(run.train_state)
+    if workdir is not None:
+        ckpt = Checkpointer(Path(workdir) / "checkpoints", keep=spec.trainer.keep_checkpoints)
+        try:
+            params, step = _checkpointed_policy(spec.config, run, ckpt)
+        finally:
+            ckpt.close()
+        print(f"serving checkpoint step {step} of {workdir}")
+    model = merge_lora(nnx.merge(run.graphdefs.policy, jax.device_get(params)))
+    graphdef, merged = nnx.split(model)
+    return graphdef, merged, model.cfg, run.tokenizer
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", help="a run's directory: its config.json and newest checkpoint")
+    ap.add_argument("--config", help="a config file (with --config.key=value overrides), without a workdir")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model_name", default=None, help="the id /v1/models lists (default: the workdir's name or preset)")
+    ap.add_argument("--max_batch", type=int, default=32, help="rows per decode batch")
+    ap.add_argument("--max_seq_len", type=int, default=None, help="prompt + reply tokens (default: rollout.max_seq_len)")
+    ap.add_argument("--max_tokens_limit", type=int, default=1024)
+    ap.add_argument("--max_body_bytes", type=int, default=1 << 20)
+    ap.add_argument("--batch_window_ms", type=float, default=10.0)
+    args, overrides = ap.parse_known_args(argv)
+    from ml_collections import ConfigDict
+
+    from ragen_jax.config import ConfigError, resolve
+
+    try:
+        if (args.workdir is None) == (args.config is None):
+            raise ConfigError("pass exactly one of --workdir (a trained run) or --config (a preset's own weights)")
+        if args.workdir is not None:
+            path = Path(args.workdir) / "config.json"
+            if not path.is_file():
+                raise ConfigError(f"{path} does not exist: --workdir must be a run's directory (it holds config.json)")
+            config = ConfigDict(json.loads(path.read_text()))
+        else:
+            from ragen_jax.compare import _value, apply_overrides
+            from ragen_jax.launch import _load_config
+
+            config = _load_config(args.config)
+            pairs = []
+            for o in overrides:
+                if not (o.startswith("--config.") and "=" in o):
+                    raise ConfigError(f"unknown argument {o!r}; overrides are --config.key=value")
+                key, value = o[len("--config."):].split("=", 1)
+                pairs.append((key, _value(value)))
+            apply_overrides(config, pairs)
+        spec = resolve(config)
+        graphdef, params, model_cfg, tokenizer = load_policy(spec, args.workdir)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"serve: {e}", file=sys.stderr)
+        sys.exit(2)
+    generator = Generator(graphdef, params, model_cfg, tokenizer,
+                          max_seq_len=args.max_seq_len or spec.rollout.max_seq_len, max_batch=args.max_batch)
+    name = args.model_name or (Path(args.workdir).name if args.workdir else spec.model.preset)
+    app = make_app(generator, name, max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                   batch_window_ms=args.batch_window_ms)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host}:{args.port}, reachable from other machines; the server has no "
+              "authentication", file=sys.stderr)
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible server (``ragen_jax.serve``) on a tiny trained checkpoint, through the real
+``openai`` client on 127.0.0.1: greedy replies equal a plain greedy decode of the same checkpoint
+(full forward passes and argmax, no KV cache, no batching), concurrent requests share decode
+batches, and bad requests get a 4xx that names the problem. Seeded runs (``seed=0``)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from ragen_jax.config import resolve  # noqa: E402
+from ragen_jax.serve import Generator, load_policy, make_app  # noqa: E402
+from tests.training.test_trainer import small_config_dict  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": "Turn 1: the board is P_G. Decide your next action."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from ragen_jax.training.trainer import train
+
+    workdir = tmp_path_factory.mktemp("served")
+    spec = resolve(small_config_dict(workdir, total_steps=1))
+    train(spec)
+    graphdef, params, model_cfg, tokenizer = load_policy(spec, str(workdir))
+    generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16)
+    app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096, batch_window_ms=50)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield {"url": f"http://127.0.0.1:{port}", "generator": generator, "app": app,
+           "reference": (graphdef, params, tokenizer)}
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _greedy_reference(reference, messages, max_tokens: int, stop_ids) -> str:
+    """Greedy decoding by full forward passes over the growing sequence (no cache, one row)."""
+    from flax import nnx
+
+    graphdef, params, tokenizer = reference
+    model = nnx.merge(graphdef, params)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = []
+    for _ in range(max_tokens):
+        tokens = np.asarray([ids + out], np.int32)
+        logits, _ = model(tokens, np.arange(tokens.shape[1], dtype=np.int32)[None])
+        nxt = int(np.argmax(np.asarray(logits[0, -1])))
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def test_models_and_a_greedy_reply_equal_a_plain_greedy_decode(server):
+    client = _client(server)
+    assert [m.id for m in client.models.list().data] == ["tiny-frozen-lake"]
+    reply = client.chat.completions.create(model="tiny-frozen-lake", messages=MESSAGES, temperature=0, max_tokens=24)
+    expected = _greedy_reference(server["reference"], MESSAGES, 24, set(server["generator"].stop_ids.tolist()))
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # n rows of one request and a stop string: the rows are the same greedy reply, cut before the stop.
+    cut = expected[len(expected) // 2:][:3]
+    if cut.strip():
+        two = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=24, n=2, stop=[cut])
+        assert [c.message.content for c in two.choices] == [expected[:expected.index(cut)]] * 2
+        assert {c.finish_reason for c in two.choices} == {"stop"}
+
+
+def test_concurrent_requests_share_decode_batches(server):
+    client = _client(server)
+    before = json.load(urllib.request.urlopen(server["url"] + "/stats"))
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda k: client.chat.completions.create(
+            model="x", messages=MESSAGES, temperature=1.0, seed=k, max_tokens=8), range(32)))
+    after = json.load(urllib.request.urlopen(server["url"] + "/stats"))
+    assert len(replies) == 32 and after["requests"] - before["requests"] == 32
+    batches = after["decode_batches"] - before["decode_batches"]
+    assert 2 <= batches < 32, batches  # 16 rows per batch at most: at least two, far fewer than 32
+    # The same seed gives the same sampled reply (alone or batched with others).
+    again = client.chat.completions.create(model="x", messages=MESSAGES, temperature=1.0, seed=3, max_tokens=8)
+    assert again.choices[0].message.content == replies[3].choices[0].message.content
+
+
+def _post(server, body: bytes):
+    req = urllib.request.Request(server["url"] + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"messages": MESSAGES, "stream": True}, 400, "unsupported field(s): 'stream'"),
+    ({"messages": MESSAGES, "tools": []}, 400, "'tools'"),
+    ({"messages": MESSAGES, "max_tokens": 65}, 400, "'max_tokens' must be an integer in [1, 64]"),
+    ({"messages": MESSAGES, "temperature": -1}, 400, "'temperature'"),
+    ({"messages": MESSAGES, "n": 9}, 400, "'n' must be an integer in [1, 8]"),
+    ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
+    ({"messages": []}, 400, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "over the server's limit of 4096 bytes"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem(server, body, status, fragment):
+    code, answer = _post(server, json.dumps(body).encode())
+    assert code == status and fragment in answer["error"]["message"], (code, answer)
+
+
+def test_a_body_that_is_not_json_is_a_400(server):
+    code, answer = _post(server, b"{not json")
+    assert code == 400 and "not JSON" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--workdir", "/nonexistent"], "/nonexistent/config.json does not exist"),
+    ([], "pass exactly one of --workdir"),
+    (["--config", "configs/frozen_lake.py", "--config.rollout.bogus=1"], "unknown config key 'rollout.bogus'"),
+])
+def test_start_up_problems_end_in_one_line(args, fragment):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "ragen_jax.serve", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and fragment in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
