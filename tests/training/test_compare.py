@@ -136,7 +136,8 @@ def test_comparison_shares_one_warmup_and_resumes(tmp_path, monkeypatch):
 
     calls = []
     real = warmup.run_warmup
-    monkeypatch.setattr(warmup, "run_warmup", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # Counted where the loop calls it (the trainer imports the function).
+    monkeypatch.setattr(trainer, "run_warmup", lambda *a, **k: calls.append(1) or real(*a, **k))
     variants = cmp.parse_variants("off:filter.value=1.0+filter.include_zero=true,top-k:filter.strategy=top_k"
                                   "+filter.value=0.5")
     out = tmp_path / "cmp"

@@ -76,9 +76,10 @@ def _assert_same_metrics(a: dict, b: dict, steps, what: str):
                 tol = 1.0 / MI_SAMPLES + 1e-6
             assert abs(x - y) <= tol, f"{what}: {key} at step {s}: {x} vs {y}"
             compared += 1
-    # One StarPO step of this config logs 100 comparable scalars (more where the MI proxy has a
-    # reading; none of its zeros where no reasoning parsed).
-    assert compared >= 100, f"{what}: only {compared} values compared"
+    # One StarPO step of this config logs 96 comparable scalars (more where the MI proxy has a
+    # reading; none of its zeros where no reasoning parsed); 100 before four metrics that repeated
+    # others under a second name went (README, "Changelog").
+    assert compared >= 96, f"{what}: only {compared} values compared"
     for key in ("actor/grad_norm", "critic/grad_norm", "actor/kl_loss", "val/success", "rollout/filter_kept_ratio",
                 "warmup/loss"):
         assert key in a and key in b, f"{what}: {key} not logged"
