@@ -118,11 +118,15 @@ def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
         considered_rows = jnp.repeat(jnp.repeat(considered, group_size), rows_per_episode)
         total_episodes = jnp.maximum(jnp.sum(considered).astype(jnp.float32) * group_size, 1.0)
         metrics = {}
+        # One bucket at a time (lax.map): the buckets' forward and backward passes over the whole
+        # batch never hold their activations at once (unrolled, Sokoban's batch needed > 22 GB).
+        row_masks = jnp.stack([considered_rows if name == "all" else row_bucket == k for k, name in enumerate(names)])
+        measured_all, tokens_all = jax.lax.map(lambda m: measure(state, data, m), row_masks)
         for k, name in enumerate(names):
-            in_bucket = considered_rows if name == "all" else row_bucket == k
             groups = considered if name == "all" else buckets == k
             episodes = jnp.sum(groups).astype(jnp.float32) * group_size
-            measured, tokens = measure(state, data, in_bucket)
+            measured = {comp: (norm[k], value[k]) for comp, (norm, value) in measured_all.items()}
+            tokens = tokens_all[k]
             p = f"{prefix}/{name}/"
             for comp, (norm, value) in measured.items():
                 metrics[p + comp] = norm
