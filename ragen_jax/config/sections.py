@@ -64,6 +64,7 @@ class ModelSection(Section):
     path: Optional[str] = None
     dtype: str = "float32"
     param_dtype: str = "float32"
+    kv_cache_dtype: Optional[str] = None
     scan_layers: bool = False
     remat: bool = False
     tiny: dict = dataclasses.field(default_factory=lambda: dataclasses.asdict(TinyModelConfig()))
@@ -81,6 +82,8 @@ class ModelSection(Section):
                              f"{list(LORA_TARGETS)}")
         for key in ("dtype", "param_dtype"):
             check_choice(f"model.{key}", getattr(self, key), MODEL_DTYPES)
+        if self.kv_cache_dtype is not None:
+            check_choice("model.kv_cache_dtype", self.kv_cache_dtype, MODEL_DTYPES)
         self.tiny_dims  # validates model.tiny
 
     @property

@@ -50,6 +50,9 @@ class ModelConfig:
     Ours:
       dtype: compute dtype of activations and matmuls ('float32' | 'bfloat16'); logits are float32 always.
       param_dtype: storage dtype of the weights ('float32' | 'bfloat16').
+      kv_cache_dtype: storage dtype of the KV cache (None = the compute dtype). 'bfloat16' with float32
+        compute halves the bytes a decode step reads (decode is bound by reading the cache); keys and
+        values are rounded to bfloat16 when written and read back as the compute dtype.
       scan_layers: stack the layers' weights on a leading [L] axis and run them with `lax.scan`
         (faster compile for deep models on accelerators); False = a Python loop over layers (faster
         decode on CPU). Both give the same numbers.
@@ -85,6 +88,7 @@ class ModelConfig:
     model_type: str = "llama"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    kv_cache_dtype: str | None = None
     scan_layers: bool = False
     remat: bool = False
     attention_block_size: int = 64
@@ -97,6 +101,8 @@ class ModelConfig:
         # Frozen dataclass: normalise fields through object.__setattr__.
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
+        if self.kv_cache_dtype is not None:
+            object.__setattr__(self, "kv_cache_dtype", _dtype_name(self.kv_cache_dtype, "kv_cache_dtype"))
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

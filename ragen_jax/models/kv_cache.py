@@ -59,13 +59,13 @@ class SharedPrefix(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An all-zero cache; `dtype` defaults to the model's compute dtype.
+    """An all-zero cache; `dtype` defaults to ``cfg.kv_cache_dtype``, else the model's compute dtype.
 
     Returns KVCache with k, v: [cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim].
     """
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got batch={batch}, max_len={max_len}.")
-    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    dtype = jnp.dtype((cfg.kv_cache_dtype or cfg.dtype) if dtype is None else dtype)
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

@@ -32,6 +32,7 @@ from ragen_jax.training.workdir import config_as_json
 # Keys that do not change what the warm-up computes (where it is stored, how often it logs).
 _IGNORED = ("cache_dir", "log_every")
 _EVAL_IGNORED = ("write_transcripts", "checkpoint_step")
+_MODEL_KEYS_ADDED = ("kv_cache_dtype",)
 
 
 class CachedWarmup(NamedTuple):
@@ -52,7 +53,10 @@ def fingerprint(config) -> str:
 
     c = config_as_json(config)
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
-    payload = {"version": ragen_jax.__version__, "model": c["model"], "env": c["env"], "rollout": c["rollout"],
+    # A model key added after caches were written is left out at its default (None), so those
+    # caches stay valid; any other value is part of the key.
+    model = {k: v for k, v in c["model"].items() if not (k in _MODEL_KEYS_ADDED and v is None)}
+    payload = {"version": ragen_jax.__version__, "model": model, "env": c["env"], "rollout": c["rollout"],
                "warmup": warmup}
     if c["model"].get("lora_rank"):
         payload["seed"] = c["seed"]
