@@ -1,0 +1,103 @@
+"""The OpenAI-compatible server's throughput against the same decode called in-process.
+
+    python benchmarks/serve_throughput.py [--config configs/frozen_lake.py] [--requests 64] [--concurrency 32]
+        [--max_tokens 64] [--out benchmarks/results_serve.md]
+
+Both sides run the same model (the config's preset, its initial weights: the timing does not depend
+on what the weights say) on the same prompts at temperature 1 with ``max_tokens`` each:
+
+* server: ``ragen_jax.serve`` on 127.0.0.1 (uvicorn in this process), ``--requests`` chat completions
+  sent by ``--concurrency`` threads through the ``openai`` client;
+* in-process: the server's own ``Generator.run`` on batches of ``--concurrency`` requests, no HTTP.
+
+It prints requests/s and generated tokens/s of each and the ratio (server / in-process): what HTTP,
+JSON and the batcher cost. Both are measured after a warm-up round (compilation excluded). Take
+figures from a run alone on the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MESSAGES = [{"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": "Turn 1: the board is P_G. Decide your next action."}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/frozen_lake.py")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max_tokens", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results_serve.md")
+    args = ap.parse_args()
+
+    import openai
+    import uvicorn
+
+    from ragen_jax.config import resolve
+    from ragen_jax.launch import _load_config
+    from ragen_jax.serve import ChatRequest, Generator, load_policy, make_app
+
+    spec = resolve(_load_config(args.config))
+    graphdef, params, model_cfg, tokenizer = load_policy(spec, None)
+    generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=1024, max_batch=args.concurrency)
+    prompt = generator.prompt_tokens(MESSAGES)
+
+    def request(seed: int) -> ChatRequest:
+        return ChatRequest(prompt=prompt, n=1, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, stop=(), seed=seed)
+
+    # In-process: the same decode, batches of `concurrency` requests.
+    generator.run([request(k) for k in range(args.concurrency)])  # compile
+    t0, tokens = time.perf_counter(), 0
+    for start in range(0, args.requests, args.concurrency):
+        batch = [request(k) for k in range(start, min(start + args.concurrency, args.requests))]
+        tokens += sum(n for rows in generator.run(batch) for _, _, n in rows)
+    local_s = time.perf_counter() - t0
+
+    # Server: uvicorn in this process, the openai client in `concurrency` threads.
+    app = make_app(generator, "bench", max_tokens_limit=args.max_tokens, batch_window_ms=20)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def ask(seed: int) -> int:
+        reply = client.chat.completions.create(model="bench", messages=MESSAGES, temperature=1.0, seed=seed,
+                                               max_tokens=args.max_tokens)
+        return reply.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        list(pool.map(ask, range(args.concurrency)))  # warm-up (the server's own first batches)
+        batches_before = generator.batches_run
+        t0 = time.perf_counter()
+        served_tokens = sum(pool.map(ask, range(args.requests)))
+        server_s = time.perf_counter() - t0
+    batches = generator.batches_run - batches_before
+    server.should_exit = True
+
+    rows = [("in-process (Generator.run)", args.requests / local_s, tokens / local_s, -(-args.requests // args.concurrency)),
+            ("server (HTTP, openai client)", args.requests / server_s, served_tokens / server_s, batches)]
+    lines = [f"# Server throughput: {spec.model.preset} ({args.config}), {args.requests} requests, "
+             f"{args.concurrency} concurrent, max_tokens {args.max_tokens}, temperature 1", "",
+             "| path | requests/s | generated tokens/s | decode batches |", "|---|---|---|---|"]
+    lines += [f"| {name} | {r:.2f} | {t:.0f} | {b} |" for name, r, t, b in rows]
+    lines += ["", f"server / in-process: **{rows[1][2] / rows[0][2]:.2f}×** generated tokens/s"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
