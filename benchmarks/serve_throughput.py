@@ -43,10 +43,10 @@ def main() -> None:
     import uvicorn
 
     from ragen_jax.config import resolve
-    from ragen_jax.launch import _load_config
+    from ragen_jax.launch import load_config_file
     from ragen_jax.serve import ChatRequest, Generator, load_policy, make_app
 
-    spec = resolve(_load_config(args.config))
+    spec = resolve(load_config_file(args.config))
     graphdef, params, model_cfg, tokenizer = load_policy(spec, None)
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=1024, max_batch=args.concurrency)
     prompt = generator.prompt_tokens(MESSAGES)

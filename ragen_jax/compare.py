@@ -59,7 +59,7 @@ class Variant:
         return re.sub(r"[^A-Za-z0-9._=-]+", "_", self.label).strip("_") or "variant"
 
 
-def _value(text: str):
+def parse_value(text: str):
     """A command-line value as Python: literals (``0.9``, ``True``, ``(6, 6)``), else the string."""
     lowered = {"true": True, "false": False, "none": None}
     if text.lower() in lowered:
@@ -99,7 +99,7 @@ def parse_variants(text: str) -> list[Variant]:
             if not eq or not key:
                 raise ConfigError(f"variant {item!r}: {assignment!r} is not key=value (join several with '+', "
                                  "e.g. filter.strategy=top_k+filter.value=0.25)")
-            overrides.append((key.strip(), _value(value.strip())))
+            overrides.append((key.strip(), parse_value(value.strip())))
         variants.append(Variant(label.strip() or body, tuple(overrides)))
     if not variants:
         raise ConfigError("--variants names no variant (e.g. --variants filter.value=1.0,filter.value=0.9)")

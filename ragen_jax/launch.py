@@ -89,7 +89,7 @@ def _override_keys(argv: list[str]) -> list[str]:
     return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.") and "=" in a]
 
 
-def _load_config(path: str):
+def load_config_file(path: str):
     """``get_config()`` of the config file at ``path``; raises ``ValueError`` saying what is wrong."""
     import importlib.util
     import traceback
@@ -148,7 +148,7 @@ def _explain_unknown_override(argv: list[str]) -> str | None:
     path = _config_path(argv)
     if not path:
         return None
-    cfg = _load_config(path)
+    cfg = load_config_file(path)
     for dotted in _override_keys(argv):
         message = unknown_key_message(cfg, dotted)
         if message:
@@ -345,7 +345,7 @@ def run(argv: list[str] | None = None, main=main) -> None:
         if root not in sys.path:
             sys.path.insert(0, root)
         try:  # a missing or broken file: one line naming it, not config_flags' traceback
-            file_config = _load_config(path)
+            file_config = load_config_file(path)
         except ValueError as e:
             print(f"Configuration error: {e}", file=sys.stderr)
             sys.exit(2)

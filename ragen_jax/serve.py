@@ -23,9 +23,11 @@ then warns: it has no authentication.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import secrets
 import sys
 import threading
@@ -33,9 +35,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from flax import nnx
+from ml_collections import ConfigDict
+
+from ragen_jax.compare import apply_overrides, parse_value
+from ragen_jax.config import ConfigError, resolve
+from ragen_jax.launch import load_config_file
+from ragen_jax.models.kv_cache import init_cache
+from ragen_jax.models.lora import merge_lora
+from ragen_jax.models.sampler import SamplingConfig, generate, prefill
+from ragen_jax.rollout.chat import chat_framing
+from ragen_jax.starpo.train_state import policy_params
+from ragen_jax.training.checkpoint import Checkpointer
+from ragen_jax.training.evaluate import checkpointed_policy
+from ragen_jax.training.run import setup
 
 MAX_STOP = 4
 MAX_N = 8
@@ -67,10 +86,6 @@ class Generator:
     """
 
     def __init__(self, graphdef, params, model_cfg, tokenizer, *, max_seq_len: int, max_batch: int):
-        import jax
-
-        from ragen_jax.rollout.chat import chat_framing
-
         self.graphdef, self.params, self.model_cfg, self.tokenizer = graphdef, params, model_cfg, tokenizer
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         framing = chat_framing(tokenizer)
@@ -80,7 +95,6 @@ class Generator:
         self.stop_ids = np.asarray(sorted(i for i in stop if i is not None and i >= 0), np.int32)
         self._programs: dict[tuple[int, int, int], Any] = {}
         self._lock = threading.Lock()  # one decode at a time (the batcher already serialises them)
-        self._jax = jax
         self.batches_run = 0
 
     def prompt_tokens(self, messages: list[dict]) -> list[int]:
@@ -90,12 +104,6 @@ class Generator:
     def _program(self, rows: int, width: int, budget: int):
         key = (rows, width, budget)
         if key not in self._programs:
-            jax, jnp = self._jax, self._jax.numpy
-            from flax import nnx
-
-            from ragen_jax.models.kv_cache import init_cache
-            from ragen_jax.models.sampler import SamplingConfig, generate, prefill
-
             cfg, stop_ids = self.model_cfg, jnp.asarray(self.stop_ids)
 
             def run(params, tokens, lengths, keys, temperature, top_p):
@@ -114,7 +122,6 @@ class Generator:
     def run(self, requests: list[ChatRequest]) -> list[list[tuple[str, str, int]]]:
         """Every row of ``requests`` in one decode -> per request, per row ``(text, finish_reason,
         completion tokens)``."""
-        jax, jnp = self._jax, self._jax.numpy
         rows = [(i, j) for i, r in enumerate(requests) for j in range(r.n)]
         width = _bucket_pow2(max(len(r.prompt) for r in requests), self.max_seq_len)
         budget = -(-max(r.max_tokens for r in requests) // TOKEN_BUCKET) * TOKEN_BUCKET
@@ -298,7 +305,6 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
             raw += chunk
             if len(raw) > max_body_bytes:
                 return error(413, f"the body is over the server's limit of {max_body_bytes} bytes")
-        import json
 
         try:
             body = json.loads(raw)
@@ -322,21 +328,13 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
 def load_policy(spec, workdir: str | None):
     """``(graphdef, params, model_cfg, tokenizer)``: the newest intact checkpoint of ``workdir``'s run
     (a LoRA run's adapters on their base), or the preset's own weights without a workdir."""
-    import jax
-    from flax import nnx
-
-    from ragen_jax.models.lora import merge_lora
-    from ragen_jax.starpo.train_state import policy_params
-    from ragen_jax.training.checkpoint import Checkpointer
-    from ragen_jax.training.evaluate import _checkpointed_policy
-    from ragen_jax.training.run import setup
 
     run = setup(spec)
     params = policy_params(run.train_state)
     if workdir is not None:
         ckpt = Checkpointer(Path(workdir) / "checkpoints", keep=spec.trainer.keep_checkpoints)
         try:
-            params, step = _checkpointed_policy(spec.config, run, ckpt)
+            params, step = checkpointed_policy(spec.config, run, ckpt)
         finally:
             ckpt.close()
         print(f"serving checkpoint step {step} of {workdir}")
@@ -346,9 +344,6 @@ def load_policy(spec, workdir: str | None):
 
 
 def main(argv=None) -> None:
-    import argparse
-    import json
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", help="a run's directory: its config.json and newest checkpoint")
     ap.add_argument("--config", help="a config file (with --config.key=value overrides), without a workdir")
@@ -361,9 +356,6 @@ def main(argv=None) -> None:
     ap.add_argument("--max_body_bytes", type=int, default=1 << 20)
     ap.add_argument("--batch_window_ms", type=float, default=10.0)
     args, overrides = ap.parse_known_args(argv)
-    from ml_collections import ConfigDict
-
-    from ragen_jax.config import ConfigError, resolve
 
     try:
         if (args.workdir is None) == (args.config is None):
@@ -374,16 +366,13 @@ def main(argv=None) -> None:
                 raise ConfigError(f"{path} does not exist: --workdir must be a run's directory (it holds config.json)")
             config = ConfigDict(json.loads(path.read_text()))
         else:
-            from ragen_jax.compare import _value, apply_overrides
-            from ragen_jax.launch import _load_config
-
-            config = _load_config(args.config)
+            config = load_config_file(args.config)
             pairs = []
             for o in overrides:
                 if not (o.startswith("--config.") and "=" in o):
                     raise ConfigError(f"unknown argument {o!r}; overrides are --config.key=value")
                 key, value = o[len("--config."):].split("=", 1)
-                pairs.append((key, _value(value)))
+                pairs.append((key, parse_value(value)))
             apply_overrides(config, pairs)
         spec = resolve(config)
         graphdef, params, model_cfg, tokenizer = load_policy(spec, args.workdir)
@@ -398,7 +387,6 @@ def main(argv=None) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host}:{args.port}, reachable from other machines; the server has no "
               "authentication", file=sys.stderr)
-    import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

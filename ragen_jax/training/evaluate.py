@@ -139,7 +139,7 @@ def _run_eval(spec) -> dict[str, float]:
     step = 0
     ckpt = Checkpointer(ckpt_dir, keep=spec.trainer.keep_checkpoints) if ckpt_dir.exists() else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        params, step = _checkpointed_policy(spec.config, run, ckpt, spec.eval.checkpoint_step)
+        params, step = checkpointed_policy(spec.config, run, ckpt, spec.eval.checkpoint_step)
         print(f"evaluating checkpoint step {step} from {ckpt_dir}")
     else:
         print(f"no checkpoint in {ckpt_dir}: evaluating the initial model of preset {spec.preset!r}")
@@ -163,7 +163,7 @@ def _run_eval(spec) -> dict[str, float]:
     return metrics
 
 
-def _checkpointed_policy(cfg, run, ckpt, step=None):
+def checkpointed_policy(cfg, run, ckpt, step=None):
     """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
     named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
     try:
@@ -197,7 +197,7 @@ def run_export(spec) -> str:
         ckpt.close()
         raise NoIntactCheckpoint(f"{ckpt_dir} holds no checkpoint: nothing to export (train this run first, or "
                                  "set config.workdir to the directory of a run that has saved one)")
-    params, step = _checkpointed_policy(spec.config, run, ckpt)
+    params, step = checkpointed_policy(spec.config, run, ckpt)
     ckpt.close()
     model = nnx.merge(run.graphdefs.policy, jax.device_get(params))
     out = export_hf(model, Path(spec.workdir) / "export")
