@@ -1,4 +1,4 @@
-"""TensorBoard logging: scalars by family, sample transcripts, the MI-vs-entropy quadrant image.
+"""Logging: TensorBoard scalars by family, sample transcripts, the MI-vs-entropy quadrant and learning-curve images.
 
 Metric names are ``family/name``. The families a training run writes:
 
@@ -97,6 +97,42 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
 
 class LoggingError(OSError):
     """The TensorBoard writer stopped (its file could not be written: a full disk, a lost mount)."""
+
+
+def save_learning_curve(path: Path, history: dict) -> np.ndarray:
+    """Learning curve: training success per step and validation success (with the warm-up mark),
+    saved as ``path``; returns the image (RGB ``[H, W, 3]``) for the loggers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    tr = np.asarray(history.get("train", []), dtype=np.float64).reshape(-1, 2)
+    va = np.asarray(history.get("val", []), dtype=np.float64).reshape(-1, 2)
+    if len(tr):
+        ax.plot(tr[:, 0], tr[:, 1], lw=0.8, alpha=0.35, color="C0", label="train success (one batch)")
+        w = min(10, len(tr))
+        if w > 1:  # one batch is noisy: show the trend over the last w steps
+            smooth = np.convolve(tr[:, 1], np.ones(w) / w, mode="valid")
+            ax.plot(tr[w - 1:, 0], smooth, lw=1.5, color="C0", label=f"train success ({w}-step mean)")
+    if len(va):
+        ax.plot(va[:, 0], va[:, 1], "o-", lw=2, color="C1", label="validation success (fixed puzzles)")
+    if history.get("warmup_val") is not None:
+        ax.axhline(history["warmup_val"], color="grey", ls="--", lw=1, label="after warm-up only")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(history.get("title", "StarPO training"))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    fig.canvas.draw()
+    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return rgb
 
 
 class Logger:

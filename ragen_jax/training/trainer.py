@@ -31,7 +31,7 @@ from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part,
 from ragen_jax.training import dynamic_sampling
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.evaluate import Evaluator
-from ragen_jax.training.event_log import Logger, quadrant_figure, to_host_scalars, trim_events
+from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.run import Setup, make_placement, setup
 from ragen_jax.training.warmup import run_warmup
@@ -63,42 +63,6 @@ def _mi_values(metrics: dict) -> tuple[float | None, float | None, bool]:
     if not computed:
         return None, None, False
     return metrics.get(MI_KEY), metrics.get(COND_ENT_KEY), True
-
-
-def _save_curve(path: Path, history: dict) -> np.ndarray:
-    """Learning curve: training success per step and validation success (with the warm-up mark),
-    saved as ``path``; returns the image (RGB ``[H, W, 3]``) for the loggers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    tr = np.asarray(history.get("train", []), dtype=np.float64).reshape(-1, 2)
-    va = np.asarray(history.get("val", []), dtype=np.float64).reshape(-1, 2)
-    if len(tr):
-        ax.plot(tr[:, 0], tr[:, 1], lw=0.8, alpha=0.35, color="C0", label="train success (one batch)")
-        w = min(10, len(tr))
-        if w > 1:  # one batch is noisy: show the trend over the last w steps
-            smooth = np.convolve(tr[:, 1], np.ones(w) / w, mode="valid")
-            ax.plot(tr[w - 1:, 0], smooth, lw=1.5, color="C0", label=f"train success ({w}-step mean)")
-    if len(va):
-        ax.plot(va[:, 0], va[:, 1], "o-", lw=2, color="C1", label="validation success (fixed puzzles)")
-    if history.get("warmup_val") is not None:
-        ax.axhline(history["warmup_val"], color="grey", ls="--", lw=1, label="after warm-up only")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("success rate")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(history.get("title", "StarPO training"))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    fig.canvas.draw()
-    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    plt.close(fig)
-    return rgb
 
 
 def _drop_uncomputed(metrics: dict) -> dict:
@@ -539,7 +503,7 @@ def _finish(loop: Loop, step: int, stop_reason: str | None, write: bool = True) 
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
     if write:
-        loop.logger.image(step, "curves/learning_curve", _save_curve(workdir / "learning_curve.png", history))
+        loop.logger.image(step, "curves/learning_curve", save_learning_curve(workdir / "learning_curve.png", history))
         (workdir / "summary.json").write_text(json.dumps({"summary": summary, "stop_reason": stop_reason,
                                                           "history": history}, indent=1))
         print(_console_summary(spec, summary, stop_reason, workdir))
