@@ -14,7 +14,8 @@ one length and runs prefill + ``models.sampler.generate`` once for all of them, 
 temperature, top-p and key. Shapes are bucketed (rows and prompt length to powers of two, the token
 budget to multiples of 64), so a handful of programs serve every request.
 
-Supported fields: ``model``, ``messages`` (``system`` / ``user`` / ``assistant``, text content),
+Supported fields: ``model``, ``messages`` (``system`` / ``user`` / ``assistant``, text content; a
+last ``assistant`` message is continued rather than answered),
 ``temperature``, ``top_p``, ``max_tokens`` (<= ``--max_tokens_limit``), ``stop`` (up to 4 strings:
 the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``seed``. Any other field
 (``stream``, ``tools``, ``logprobs``, ...) is refused with a 400 that names it; a body over
@@ -98,7 +99,15 @@ class Generator:
         self.batches_run = 0
 
     def prompt_tokens(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """The chat template's tokens up to the assistant's reply. A last message of role
+        ``assistant`` is continued, not answered: its text follows the assistant header with no end
+        of turn (how a caller forces a reply's opening, e.g. ``<think>``, as the rollout does); the
+        reply the server returns is what comes after it."""
+        if messages[-1]["role"] == "assistant":
+            head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+            text = head + messages[-1]["content"]
+        else:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _program(self, rows: int, width: int, budget: int):

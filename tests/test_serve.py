@@ -148,3 +148,26 @@ def test_start_up_problems_end_in_one_line(args, fragment):
 
     p = subprocess.run([sys.executable, "-m", "ragen_jax.serve", *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and fragment in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_last_assistant_message_is_continued(server):
+    """The forced opening the rollout uses (``<think>``), sent as a last assistant message: the reply
+    is the greedy continuation after it, as a plain greedy decode of the same text gives."""
+    graphdef, params, tokenizer = server["reference"]
+    head = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(head + "<think>", add_special_tokens=False)["input_ids"])
+    stop_ids = set(server["generator"].stop_ids.tolist())
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    out = []
+    for _ in range(16):
+        tokens = np.asarray([ids + out], np.int32)
+        logits, _ = model(tokens, np.arange(tokens.shape[1], dtype=np.int32)[None])
+        nxt = int(np.argmax(np.asarray(logits[0, -1])))
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+    reply = _client(server).chat.completions.create(
+        model="x", messages=MESSAGES + [{"role": "assistant", "content": "<think>"}], temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
