@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse
 from flax import nnx
 from ml_collections import ConfigDict
 
+from environments.text.request_body import BodyTooLarge, read_body
 from ragen_jax.compare import apply_overrides, parse_value
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.launch import load_config_file
@@ -94,7 +95,8 @@ class Generator:
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
         self.stop_ids = np.asarray(sorted(i for i in stop if i is not None and i >= 0), np.int32)
-        self._programs: dict[tuple[int, int, int], Any] = {}
+        # One compiled program per (rows, prompt width) shape and token budget (static).
+        self._decode = jax.jit(self._decode_batch, static_argnames="budget")
         self._lock = threading.Lock()  # one decode at a time (the batcher already serialises them)
         self.batches_run = 0
 
@@ -110,31 +112,26 @@ class Generator:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _program(self, rows: int, width: int, budget: int):
-        key = (rows, width, budget)
-        if key not in self._programs:
-            cfg, stop_ids = self.model_cfg, jnp.asarray(self.stop_ids)
-
-            def run(params, tokens, lengths, keys, temperature, top_p):
-                model = nnx.merge(self.graphdef, params)
-                cache = init_cache(cfg, rows, width + budget)
-                last, cache = prefill(model, cache, tokens, jnp.zeros((rows,), jnp.int32), lengths)
-                sampling = SamplingConfig(temperature=temperature, top_k=jnp.zeros((rows,), jnp.int32),
-                                          top_p=top_p)
-                out = generate(model, cache, last, lengths, lengths > 0, keys, sampling, stop_ids,
-                               jnp.full((0, 0), -1, jnp.int32), budget)
-                return out.tokens, out.lengths, out.stopped
-
-            self._programs[key] = jax.jit(run)
-        return self._programs[key]
+    def _decode_batch(self, params, tokens, lengths, keys, temperature, top_p, *, budget: int):
+        """Prefill each row's prompt (``tokens [B, W]``, ``lengths [B]``), then sample up to ``budget``
+        tokens per row -> ``(tokens [B, budget], lengths [B], stopped [B])``."""
+        rows, width = tokens.shape
+        model = nnx.merge(self.graphdef, params)
+        cache = init_cache(self.model_cfg, rows, width + budget)
+        last, cache = prefill(model, cache, tokens, jnp.zeros((rows,), jnp.int32), lengths)
+        sampling = SamplingConfig(temperature=temperature, top_k=jnp.zeros((rows,), jnp.int32), top_p=top_p)
+        out = generate(model, cache, last, lengths, lengths > 0, keys, sampling, jnp.asarray(self.stop_ids),
+                       jnp.full((0, 0), -1, jnp.int32), budget)
+        return out.tokens, out.lengths, out.stopped
 
     def run(self, requests: list[ChatRequest]) -> list[list[tuple[str, str, int]]]:
         """Every row of ``requests`` in one decode -> per request, per row ``(text, finish_reason,
         completion tokens)``."""
         rows = [(i, j) for i, r in enumerate(requests) for j in range(r.n)]
+        # Every request's prompt + max_tokens fits max_seq_len (parse_request); the cache holds the
+        # bucketed width + the bucketed budget, so each row gets at least its own max_tokens.
         width = _bucket_pow2(max(len(r.prompt) for r in requests), self.max_seq_len)
         budget = -(-max(r.max_tokens for r in requests) // TOKEN_BUCKET) * TOKEN_BUCKET
-        budget = min(budget, self.max_seq_len - width)
         batch = _bucket_pow2(len(rows), self.max_batch)
         tokens = np.zeros((batch, width), np.int32)
         lengths = np.zeros((batch,), np.int32)
@@ -149,9 +146,9 @@ class Generator:
             keys.append(jax.random.fold_in(jax.random.key(r.seed), j))
         keys += [jax.random.key(0)] * (batch - len(rows))
         with self._lock:
-            out_tokens, out_lengths, stopped = self._program(batch, width, budget)(
+            out_tokens, out_lengths, stopped = self._decode(
                 self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.stack(keys), jnp.asarray(temperature),
-                jnp.asarray(top_p))
+                jnp.asarray(top_p), budget=budget)
             out_tokens, out_lengths, stopped = jax.device_get((out_tokens, out_lengths, stopped))
             self.batches_run += 1
         results: list[list] = [[] for _ in requests]
@@ -225,22 +222,15 @@ ALLOWED_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "st
 ROLES = ("system", "user", "assistant")
 
 
-def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key, default)
+def _bounded(body: dict, key: str, default, low, high, *, integer: bool = False):
+    """``body[key]`` (``default`` when absent or null), a number in ``[low, high]``; ``integer``: an int."""
+    value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise BadRequest(f"'{key}' must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
-
-
-def _integer(body: dict, key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"'{key}' must be an integer in [{low}, {high}], got {value!r}")
-    return value
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        raise BadRequest(f"'{key}' must be {'an integer' if integer else 'a number'} in [{low}, {high}], got {value!r}")
+    return value if integer else float(value)
 
 
 def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> ChatRequest:
@@ -263,7 +253,7 @@ def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> Cha
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings")
-    max_tokens = _integer(body, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit)
+    max_tokens = _bounded(body, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit, integer=True)
     prompt = generator.prompt_tokens([{"role": m["role"], "content": m["content"]} for m in messages])
     if len(prompt) + max_tokens > generator.max_seq_len:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the server's "
@@ -271,10 +261,10 @@ def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> Cha
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest(f"'seed' must be an integer, got {seed!r}")
-    return ChatRequest(prompt=prompt, n=_integer(body, "n", 1, 1, MAX_N),
-                   temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-                   max_tokens=max_tokens, stop=tuple(stop),
-                   seed=secrets.randbits(31) if seed is None else seed % (1 << 31))
+    return ChatRequest(prompt=prompt, n=_bounded(body, "n", 1, 1, MAX_N, integer=True),
+                       temperature=_bounded(body, "temperature", 1.0, 0.0, 2.0),
+                       top_p=_bounded(body, "top_p", 1.0, 0.0, 1.0), max_tokens=max_tokens, stop=tuple(stop),
+                       seed=secrets.randbits(31) if seed is None else seed % (1 << 31))
 
 
 def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
@@ -306,20 +296,13 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        size = http.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error(413, f"the body ({size} bytes) is over the server's limit of {max_body_bytes} bytes")
-        raw = b""
-        async for chunk in http.stream():
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                return error(413, f"the body is over the server's limit of {max_body_bytes} bytes")
-
         try:
-            body = json.loads(raw)
+            body = json.loads(await read_body(http, max_body_bytes))
             request = parse_request(body, generator, max_tokens_limit)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the body is not JSON")
+        except BodyTooLarge as e:
+            return error(e.status, str(e))
         except BadRequest as e:
             return error(400, str(e))
         rows = await batcher.submit(request)

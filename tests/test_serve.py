@@ -56,13 +56,16 @@ def _client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _greedy_reference(reference, messages, max_tokens: int, stop_ids) -> str:
-    """Greedy decoding by full forward passes over the growing sequence (no cache, one row)."""
+def _chat_text(reference, messages) -> str:
+    return reference[2].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _greedy_reference(reference, text: str, max_tokens: int, stop_ids) -> str:
+    """Greedy decoding of ``text`` by full forward passes over the growing sequence (no cache, one row)."""
     from flax import nnx
 
     graphdef, params, tokenizer = reference
     model = nnx.merge(graphdef, params)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     out = []
     for _ in range(max_tokens):
@@ -79,7 +82,8 @@ def test_models_and_a_greedy_reply_equal_a_plain_greedy_decode(server):
     client = _client(server)
     assert [m.id for m in client.models.list().data] == ["tiny-frozen-lake"]
     reply = client.chat.completions.create(model="tiny-frozen-lake", messages=MESSAGES, temperature=0, max_tokens=24)
-    expected = _greedy_reference(server["reference"], MESSAGES, 24, set(server["generator"].stop_ids.tolist()))
+    expected = _greedy_reference(server["reference"], _chat_text(server["reference"], MESSAGES), 24,
+                                 set(server["generator"].stop_ids.tolist()))
     assert reply.choices[0].message.content == expected
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > 0 and reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
@@ -153,21 +157,19 @@ def test_start_up_problems_end_in_one_line(args, fragment):
 def test_a_last_assistant_message_is_continued(server):
     """The forced opening the rollout uses (``<think>``), sent as a last assistant message: the reply
     is the greedy continuation after it, as a plain greedy decode of the same text gives."""
-    graphdef, params, tokenizer = server["reference"]
-    head = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    ids = list(tokenizer(head + "<think>", add_special_tokens=False)["input_ids"])
-    stop_ids = set(server["generator"].stop_ids.tolist())
-    from flax import nnx
-
-    model = nnx.merge(graphdef, params)
-    out = []
-    for _ in range(16):
-        tokens = np.asarray([ids + out], np.int32)
-        logits, _ = model(tokens, np.arange(tokens.shape[1], dtype=np.int32)[None])
-        nxt = int(np.argmax(np.asarray(logits[0, -1])))
-        if nxt in stop_ids:
-            break
-        out.append(nxt)
+    expected = _greedy_reference(server["reference"], _chat_text(server["reference"], MESSAGES) + "<think>", 16,
+                                 set(server["generator"].stop_ids.tolist()))
     reply = _client(server).chat.completions.create(
         model="x", messages=MESSAGES + [{"role": "assistant", "content": "<think>"}], temperature=0, max_tokens=16)
-    assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected
+
+
+def test_a_prompt_past_half_the_context_still_gets_its_max_tokens(server):
+    """A prompt whose bucketed width is the whole context (512): the reply still gets its own
+    budget (the cache is sized width + budget), equal to the plain greedy decode."""
+    long = [{"role": "user", "content": "Turn 1: the board is P_G. " * 28 + "Decide your next action."}]
+    text = _chat_text(server["reference"], long)
+    assert 256 < len(server["reference"][2](text, add_special_tokens=False)["input_ids"]) <= 512 - 16
+    expected = _greedy_reference(server["reference"], text, 16, set(server["generator"].stop_ids.tolist()))
+    reply = _client(server).chat.completions.create(model="x", messages=long, temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content == expected

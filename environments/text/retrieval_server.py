@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from environments.text.request_body import BodyTooLarge, read_body
 from environments.text.retrieval import DEFAULT_CORPUS, BM25Retriever
 
 
@@ -130,20 +131,6 @@ def parse_retrieve_request(body: bytes, limits: Limits) -> tuple[str, int]:
     return query, top_k
 
 
-async def _read_body(request, limits: Limits) -> bytes:
-    """The request body, refused (413) past ``max_body_bytes`` whether declared or streamed."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise _BadRequest(413, f"body of {declared} bytes exceeds the limit of {limits.max_body_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-            raise _BadRequest(413, f"body exceeds the limit of {limits.max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def create_app(retriever: BM25Retriever, limits: Limits = Limits()):
     """The FastAPI application serving ``retriever``."""
     app = FastAPI(title="ragen_jax retrieval", docs_url=None, redoc_url=None, openapi_url=None)
@@ -160,12 +147,12 @@ def create_app(retriever: BM25Retriever, limits: Limits = Limits()):
     @app.post("/retrieve")
     async def retrieve(request: Request):
         try:
-            body = await asyncio.wait_for(_read_body(request, limits), limits.body_timeout_s)
+            body = await asyncio.wait_for(read_body(request, limits.max_body_bytes), limits.body_timeout_s)
             query, top_k = parse_retrieve_request(body, limits)
         except asyncio.TimeoutError:
             return JSONResponse({"error": f"the body did not arrive within {limits.body_timeout_s:g} s"},
                                 status_code=408, headers={"Connection": "close"})
-        except _BadRequest as e:
+        except (_BadRequest, BodyTooLarge) as e:
             headers = {"Connection": "close"} if e.status == 413 else None
             return JSONResponse({"error": str(e)}, status_code=e.status, headers=headers)
         results = await run_in_threadpool(search, query, top_k)
