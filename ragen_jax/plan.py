@@ -58,8 +58,7 @@ def model_config(spec):
     from ragen_jax.models.presets import load_tiny_tokenizer, tiny_model_config
 
     m = spec.model
-    knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, kv_cache_dtype=m.kv_cache_dtype, scan_layers=m.scan_layers,
-                 remat=m.remat)
+    knobs = m.knobs
     preset = m.preset
     if preset == "tiny":
         return tiny_model_config(load_tiny_tokenizer(), m.tiny_dims, **knobs)

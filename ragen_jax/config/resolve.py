@@ -73,9 +73,9 @@ def _fail(msg: str):
 
 
 # Config section name -> the frozen dataclass whose fields are that section's keys.
-SECTIONS: dict[str, type] = dict(model=ModelSection, trainer=TrainerConfig, warmup=WarmupConfig, eval=EvalConfig,
-                                 mesh=MeshConfig, rollout=RolloutConfig, starpo=StarPOConfig, filter=FilterConfig,
-                                 collapse=CollapseConfig, logging=LoggingConfig)
+SECTIONS: dict[str, type] = {cls.KEY: cls for cls in (ModelSection, TrainerConfig, WarmupConfig, EvalConfig,
+                                                       MeshConfig, RolloutConfig, StarPOConfig, FilterConfig,
+                                                       CollapseConfig, LoggingConfig)}
 
 
 def _choice(key: str, value, allowed) -> None:

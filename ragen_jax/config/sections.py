@@ -87,6 +87,12 @@ class ModelSection(Section):
         self.tiny_dims  # validates model.tiny
 
     @property
+    def knobs(self) -> dict:
+        """The ``ModelConfig`` settings this section decides (how the same weights are computed)."""
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype, kv_cache_dtype=self.kv_cache_dtype,
+                    scan_layers=self.scan_layers, remat=self.remat)
+
+    @property
     def tiny_dims(self) -> TinyModelConfig:
         """``tiny`` (a mapping, so each dimension is its own config key) as the validated dataclass."""
         return TinyModelConfig.from_dict(self.tiny)

@@ -33,8 +33,7 @@ def build_model(spec: RunSpec, placement=None):
 
 def _build_base_model(spec: RunSpec, placement=None):
     m = spec.model
-    knobs = dict(dtype=m.dtype, param_dtype=m.param_dtype, kv_cache_dtype=m.kv_cache_dtype, scan_layers=m.scan_layers,
-                 remat=m.remat)
+    knobs = m.knobs
     kind = PRESETS[spec.preset]["kind"]
     if kind == "scratch":
         tokenizer = load_tiny_tokenizer()

@@ -18,6 +18,7 @@ it and decides:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ragen_jax.config import ConfigError
+from ragen_jax.config import ConfigError, LoggingConfig
 from ragen_jax.config.checks import field_defaults
 from ragen_jax.config.resolve import SECTIONS
 
@@ -38,7 +39,7 @@ RESUME_SAFE_KEYS = (
     "eval.write_transcripts", "eval.checkpoint_step", "mode", "workdir", "compilation_cache_dir",
     "warmup.cache_dir",  # where a warm-up is kept, not what it computes
     # Where the metrics go besides TensorBoard.
-    "logging.wandb", "logging.project", "logging.entity", "logging.run_name", "logging.tags", "logging.mode",
+    *(f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)),
     # A checkpoint restores onto any mesh (orbax reshards it), so a run may resume on other hardware.
     "mesh.data", "mesh.fsdp", "mesh.tensor",
     # The gradient analysis measures; it changes no parameter.
