@@ -11,8 +11,15 @@ on what the weights say) on the same prompts at temperature 1 with ``max_tokens`
 * in-process: the server's own ``Generator.run`` on batches of ``--concurrency`` requests, no HTTP.
 
 It prints requests/s and generated tokens/s of each and the ratio (server / in-process): what HTTP,
-JSON and the batcher cost. Both are measured after a warm-up round (compilation excluded). Take
-figures from a run alone on the cores.
+JSON and the batcher cost.
+
+Then the evaluation itself, ``--episodes`` validation puzzles of the config's environment played
+both ways with the same weights: in process (``Evaluator``: the rollout's own sampler) and through
+the API (``model.provider=openai`` against this server: ``rollout.remote``, the transcript decoded
+into messages and the replies tokenised back every turn), in episodes/s and turns/s.
+
+Everything is measured after a warm-up round (compilation excluded). Take figures from a run alone
+on the cores.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max_tokens", type=int, default=64)
+    ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results_serve.md")
     args = ap.parse_args()
 
@@ -48,7 +56,8 @@ def main() -> None:
 
     spec = resolve(load_config_file(args.config))
     graphdef, params, model_cfg, tokenizer = load_policy(spec, None)
-    generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=1024, max_batch=args.concurrency)
+    generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=1024, max_batch=args.concurrency,
+                          tokenization="rollout")
     prompt = generator.prompt_tokens(MESSAGES)
 
     def request(seed: int) -> ChatRequest:
@@ -85,6 +94,7 @@ def main() -> None:
         served_tokens = sum(pool.map(ask, range(args.requests)))
         server_s = time.perf_counter() - t0
     batches = generator.batches_run - batches_before
+    local_eval, remote_eval = _eval_both_ways(spec, graphdef, params, tokenizer, port, args)
     server.should_exit = True
 
     rows = [("in-process (Generator.run)", args.requests / local_s, tokens / local_s, -(-args.requests // args.concurrency)),
@@ -93,10 +103,44 @@ def main() -> None:
              f"{args.concurrency} concurrent, max_tokens {args.max_tokens}, temperature 1", "",
              "| path | requests/s | generated tokens/s | decode batches |", "|---|---|---|---|"]
     lines += [f"| {name} | {r:.2f} | {t:.0f} | {b} |" for name, r, t, b in rows]
-    lines += ["", f"server / in-process: **{rows[1][2] / rows[0][2]:.2f}×** generated tokens/s"]
+    lines += ["", f"server / in-process: **{rows[1][2] / rows[0][2]:.2f}×** generated tokens/s", "",
+              f"## Evaluation: {args.episodes} {spec.env_name} puzzles, temperature {spec.eval.temperature}, "
+              f"{spec.rollout.batch_size} episodes at a time", "",
+              "| path | episodes/s | turns/s | requests |", "|---|---|---|---|"]
+    for name, (seconds, turns, requests) in (("in-process (Evaluator, the rollout's sampler)", local_eval),
+                                              ("through the API (model.provider=openai, this server)", remote_eval)):
+        lines.append(f"| {name} | {args.episodes / seconds:.2f} | {turns / seconds:.1f} | {requests} |")
+    lines += ["", f"API / in-process: **{local_eval[0] / remote_eval[0]:.2f}×** episodes/s"]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
+
+
+def _eval_both_ways(spec, graphdef, params, tokenizer, port, args):
+    """``(seconds, turns played, requests)`` of one evaluation in process and one through the API."""
+    import dataclasses
+
+    from ragen_jax.rollout.remote import ChatClient
+    from ragen_jax.training.build import build_env
+    from ragen_jax.training.evaluate import Evaluator
+
+    env, env_params = build_env(spec, tokenizer)
+    eval_cfg = dataclasses.replace(spec.eval, num_episodes=args.episodes)
+    remote_model = dataclasses.replace(spec.model, provider="openai", base_url=f"http://127.0.0.1:{port}/v1",
+                                       name="bench", continue_final_message=True,
+                                       max_concurrency=spec.rollout.batch_size, max_retries=0, request_timeout_s=600.0)
+    client = ChatClient(remote_model, progress=False)
+    out = []
+    for g, p, remote in ((graphdef, params, None), (None, None, client)):
+        ev = Evaluator(g, env, env_params, tokenizer, spec.rollout, eval_cfg, spec.rollout.batch_size, remote=remote)
+        ev(p, 0)  # compile (and, through the API, the server's programs)
+        requests = client.usage["requests"]
+        t0 = time.perf_counter()
+        metrics = ev(p, 0)
+        seconds = time.perf_counter() - t0
+        out.append((seconds, metrics["val/num_turns"] * args.episodes, client.usage["requests"] - requests))
+    client.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``se
 (``stream``, ``tools``, ``logprobs``, ...) is refused with a 400 that names it; a body over
 ``--max_body_bytes`` with a 413. The server binds 127.0.0.1 unless ``--host`` says otherwise, and
 then warns: it has no authentication.
+
+``--tokenization rollout`` (the default with ``--workdir``) tokenises a conversation as the rollout
+writes it — message by message, a user message line by line — so a policy trained here is served the
+token sequences it was trained on; ``template`` (the default with ``--config``) tokenises the chat
+template's text whole, a pretrained model's own convention. With it, ``config.mode=eval
+--config.model.provider=openai --config.model.base_url=http://127.0.0.1:PORT/v1
+--config.model.continue_final_message=True`` plays the in-process evaluation's episodes exactly at
+temperature 0.
 """
 from __future__ import annotations
 
@@ -52,13 +60,18 @@ from ragen_jax.launch import load_config_file
 from ragen_jax.models.kv_cache import init_cache
 from ragen_jax.models.lora import merge_lora
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
-from ragen_jax.rollout.chat import chat_framing
+from ragen_jax.rollout.chat import chat_framing, conversation_segments
 from ragen_jax.starpo.train_state import policy_params
 from ragen_jax.training.checkpoint import Checkpointer
 from ragen_jax.training.evaluate import checkpointed_policy
 from ragen_jax.training.run import setup
 
 MAX_STOP = 4
+# How a request's messages become tokens: "template" — the chat template's text tokenised whole (a
+# pretrained model's own convention); "rollout" — piece by piece as this package's rollout writes
+# a conversation (message by message, a user message line by line), the sequences a policy trained
+# here saw. BPE over the whole text can merge across those seams ("\n" + "\n" -> "\n\n").
+TOKENIZATIONS = ("template", "rollout")
 MAX_N = 8
 TOKEN_BUCKET = 64
 
@@ -87,10 +100,15 @@ class Generator:
     ``params`` is the policy's whole state (a LoRA run's adapters merged with their base).
     """
 
-    def __init__(self, graphdef, params, model_cfg, tokenizer, *, max_seq_len: int, max_batch: int):
+    def __init__(self, graphdef, params, model_cfg, tokenizer, *, max_seq_len: int, max_batch: int,
+                 tokenization: str = "template"):
+        if tokenization not in TOKENIZATIONS:
+            raise ValueError(f"tokenization={tokenization!r}; allowed: {', '.join(TOKENIZATIONS)}")
         self.graphdef, self.params, self.model_cfg, self.tokenizer = graphdef, params, model_cfg, tokenizer
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        self.tokenization = tokenization
         framing = chat_framing(tokenizer)
+        self.framing = framing
         stop = {tokenizer.convert_tokens_to_ids(framing.end_of_turn)}
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
@@ -105,11 +123,18 @@ class Generator:
         ``assistant`` is continued, not answered: its text follows the assistant header with no end
         of turn (how a caller forces a reply's opening, e.g. ``<think>``, as the rollout does); the
         reply the server returns is what comes after it."""
-        if messages[-1]["role"] == "assistant":
+        cont = messages[-1]["role"] == "assistant"
+        if cont:
             head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
             text = head + messages[-1]["content"]
         else:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self.tokenization == "rollout" and messages[0]["role"] == "system":
+            # The same text, tokenised piece by piece as the rollout writes it (what a policy trained
+            # here saw); a conversation the pieces do not render exactly falls back to the whole text.
+            pieces = conversation_segments(self.framing, messages, continue_final=cont, user_lines=True)
+            if "".join(pieces) == text:
+                return [i for p in pieces for i in self.tokenizer(p, add_special_tokens=False)["input_ids"]]
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _decode_batch(self, params, tokens, lengths, keys, temperature, top_p, *, budget: int):
@@ -347,6 +372,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max_tokens_limit", type=int, default=1024)
     ap.add_argument("--max_body_bytes", type=int, default=1 << 20)
     ap.add_argument("--batch_window_ms", type=float, default=10.0)
+    ap.add_argument("--tokenization", choices=TOKENIZATIONS, default=None,
+                    help="'rollout' (default with --workdir: the token sequences the policy was trained on) or "
+                         "'template' (default with --config: the chat template's text tokenised whole)")
     args, overrides = ap.parse_known_args(argv)
 
     try:
@@ -371,8 +399,9 @@ def main(argv=None) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"serve: {e}", file=sys.stderr)
         sys.exit(2)
-    generator = Generator(graphdef, params, model_cfg, tokenizer,
-                          max_seq_len=args.max_seq_len or spec.rollout.max_seq_len, max_batch=args.max_batch)
+    tokenization = args.tokenization or ("rollout" if args.workdir else "template")
+    generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=args.max_seq_len or spec.rollout.max_seq_len,
+                          max_batch=args.max_batch, tokenization=tokenization)
     name = args.model_name or (Path(args.workdir).name if args.workdir else spec.model.preset)
     app = make_app(generator, name, max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
                    batch_window_ms=args.batch_window_ms)

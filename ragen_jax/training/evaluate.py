@@ -4,6 +4,14 @@ The validation set is ``eval.num_episodes`` env reset keys from ``validation_key
 the same puzzles at every evaluation and in every run with the same ``eval.validation_seed``.
 Each puzzle is attempted ``eval.pass_k`` times at ``eval.temperature`` (0 = greedy): ``success``
 is the mean over all attempts, ``pass@k`` the fraction of puzzles solved at least once.
+
+Each episode is written twice: ``eval/transcripts_*.jsonl`` (the transcript text and its outcome)
+and ``eval/messages_*.jsonl``, the same conversation as OpenAI chat messages (``{"messages":
+[{"role": "system", ...}, {"role": "user", ...}, {"role": "assistant", ...}, ...]}`` with the
+outcome beside it) — what RAGEN's evaluation exports, readable by any chat tool.
+
+``model.provider`` other than ``local`` evaluates a model behind a chat API (``rollout.remote``):
+the same validation puzzles, prompts, parser and metrics, plus the API's usage (``api/*``).
 """
 from __future__ import annotations
 
@@ -18,10 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ragen_jax.config import ConfigError
 from ragen_jax.models.lora import export_hf
 from ragen_jax.rollout import codec as codec_lib
+from ragen_jax.rollout.chat import split_conversation
 from ragen_jax.rollout.loop import make_rollout, validation_keys
+from ragen_jax.rollout.remote import ChatClient
 from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
+from ragen_jax.training.build import build_env, build_tokenizer
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
 from ragen_jax.training.run import setup
 from ragen_jax.training.workdir import WorkdirLock, check_eval_workdir, explain_mismatch
@@ -35,7 +47,7 @@ class Evaluator:
     """
 
     def __init__(self, graphdef, env, env_params, tokenizer, rollout_cfg, eval_cfg, chunk_rows: int,
-                 placement=None):
+                 placement=None, remote: ChatClient | None = None):
         self.eval_cfg = eval_cfg
         self.placement = placement
         self.tokenizer = tokenizer
@@ -46,65 +58,74 @@ class Evaluator:
         self.groups_per_chunk = groups_per_chunk
         cfg = dataclasses.replace(rollout_cfg, num_groups=groups_per_chunk, group_size=k,
                                   temperature=float(eval_cfg.temperature))
-        self.rollout = make_rollout(graphdef, env, env_params, tokenizer, cfg, placement=placement)
+        self.rollout = make_rollout(graphdef, env, env_params, tokenizer, cfg, placement=placement, remote=remote)
         keys = validation_keys(self.num_chunks * groups_per_chunk, int(eval_cfg.validation_seed))
         self.env_keys = jnp.repeat(keys, k, axis=0)  # [chunks * G * k]
         self.num_episodes = n
 
-    def __call__(self, params, step: int, jsonl_path: str | os.PathLike | None = None) -> dict[str, float]:
-        """Run every validation puzzle; returns ``val/*`` metrics and optionally writes transcripts."""
-        return self.evaluate(params, step, jsonl_path)[0]
+    def __call__(self, params, step: int, jsonl_path: str | os.PathLike | None = None,
+                 messages_path: str | os.PathLike | None = None) -> dict[str, float]:
+        """Run every validation puzzle; returns ``val/*`` metrics and optionally writes transcripts
+        (``jsonl_path``) and the OpenAI-message export (``messages_path``)."""
+        return self.evaluate(params, step, jsonl_path, messages_path)[0]
 
-    def evaluate(self, params, step: int, jsonl_path: str | os.PathLike | None = None
-                 ) -> tuple[dict[str, float], np.ndarray]:
+    def evaluate(self, params, step: int, jsonl_path: str | os.PathLike | None = None,
+                 messages_path: str | os.PathLike | None = None) -> tuple[dict[str, float], np.ndarray]:
         """``(val/* metrics, per-puzzle success [num_episodes])``: each puzzle's success averaged over
         its ``pass_k`` attempts — the same puzzles in every run, so two runs (or two steps) compare
         puzzle by puzzle (``ragen_jax.compare``'s paired tests)."""
         t0 = time.time()
         k = int(self.eval_cfg.pass_k)
         rows = self.groups_per_chunk * k
-        succ, ret, turns, valid, length, truncated = [], [], [], [], [], []
-        records = []
+        fields = ("success", "episode_return", "num_turns", "valid_action_rate", "effective_action_rate",
+                  "response_length", "truncated")
+        columns = {f: [] for f in fields}
+        records, failed = [], []
+        remote = self.rollout.remote
         for c in range(self.num_chunks):
             keys = self.env_keys[c * rows:(c + 1) * rows]
             traj = self.rollout.run(params, keys, jax.random.fold_in(jax.random.key(int(self.eval_cfg.validation_seed)), c))
             # Every process takes part in the gather; only one is given a jsonl_path to write.
             traj = self.placement.fetch(traj) if self.placement is not None else jax.device_get(traj)
-            succ.append(traj.success)
-            ret.append(traj.episode_return)
-            turns.append(traj.num_turns)
-            valid.append(traj.valid_action_rate)
-            length.append(traj.response_length)
-            truncated.append(traj.truncated)
-            if jsonl_path is not None:
-                records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk))
+            for f in fields:
+                columns[f].append(getattr(traj, f))
+            errors = dict(remote.errors) if remote is not None else {}
+            failed.append(np.asarray([b in errors for b in range(rows)]))
+            if jsonl_path is not None or messages_path is not None:
+                records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk, errors=errors))
         n = self.num_episodes * k  # drop the padding puzzles of the last chunk
-        s = np.concatenate(succ)[:n].astype(np.float64)
+        col = {f: np.concatenate(v)[:n] for f, v in columns.items()}
+        s = col["success"].astype(np.float64)
         metrics = {
             "val/success": float(s.mean()),
             f"val/pass_at_{k}": float(s.reshape(-1, k).max(axis=1).mean()),
-            "val/return": float(np.concatenate(ret)[:n].mean()),
-            "val/num_turns": float(np.concatenate(turns)[:n].mean()),
-            "val/valid_action_rate": float(np.concatenate(valid)[:n].mean()),
-            "val/response_length": float(np.concatenate(length)[:n].mean()),
-            "val/truncated": float(np.concatenate(truncated)[:n].mean()),
+            "val/return": float(col["episode_return"].mean()),
+            "val/num_turns": float(col["num_turns"].mean()),
+            "val/valid_action_rate": float(col["valid_action_rate"].mean()),
+            "val/effective_action_rate": float(col["effective_action_rate"].mean()),
+            "val/response_length": float(col["response_length"].mean()),
+            "val/truncated": float(col["truncated"].mean()),
             "timing_s/eval": time.time() - t0,
         }
-        if jsonl_path is not None:
-            path = Path(jsonl_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                for r in records[:n]:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        if remote is not None:
+            metrics["api/failed_episodes"] = float(np.concatenate(failed)[:n].sum())
+        for path, key in ((jsonl_path, "transcript"), (messages_path, "messages")):
+            if path is not None:
+                write_records(path, records[:n], drop="messages" if key == "transcript" else "transcript")
         return metrics, s.reshape(-1, k).mean(axis=1)
 
-    def _records(self, traj, step: int, first_puzzle: int) -> list[dict]:
+    def _records(self, traj, step: int, first_puzzle: int, errors: dict[int, str]) -> list[dict]:
         k = int(self.eval_cfg.pass_k)
+        framing = self.rollout.framing
         out = []
         for b in range(traj.tokens.shape[0]):
             ids = traj.tokens[b][traj.valid_mask[b]]
             nt = int(traj.num_turns[b])
-            out.append({
+            text = codec_lib.decode(self.tokenizer, ids)
+            messages, opening = split_conversation(framing, text)
+            if opening:  # a rollout always closes its last reply; kept rather than dropped if not
+                messages.append({"role": "assistant", "content": opening})
+            record = {
                 "step": int(step),
                 "puzzle": first_puzzle + b // k,
                 "attempt": b % k,
@@ -113,9 +134,22 @@ class Evaluator:
                 "num_turns": nt,
                 "num_actions": int(traj.num_actions[b]),
                 "turn_rewards": [float(x) for x in traj.turn_rewards[b][:nt]],
-                "transcript": codec_lib.decode(self.tokenizer, ids),
-            })
+                "transcript": text,
+                "messages": messages,
+            }
+            if b in errors:
+                record["api_error"] = errors[b]
+            out.append(record)
         return out
+
+
+def write_records(path, records: list[dict], drop: str) -> None:
+    """Append ``records`` (without their ``drop`` field) to the JSONL file ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({k: v for k, v in r.items() if k != drop}, ensure_ascii=False) + "\n")
 
 
 def run_eval(spec) -> dict[str, float]:
@@ -130,6 +164,8 @@ def run_eval(spec) -> dict[str, float]:
 
 def _run_eval(spec) -> dict[str, float]:
     """``run_eval``'s body, under the workdir's lock."""
+    if spec.model.remote:
+        return _run_remote_eval(spec)
     for note in check_eval_workdir(spec.config):  # refuses another env's or model's config
         print(f"note: {note}")
 
@@ -148,18 +184,65 @@ def _run_eval(spec) -> dict[str, float]:
     ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.eval,
                    spec.rollout.batch_size, placement=run.placement)
     main = run.placement.is_main  # with several processes, one writes and prints
-    path = None
-    if spec.eval.write_transcripts and main:
-        path = Path(spec.workdir) / "eval" / f"transcripts_step{step}.jsonl"
-    if path is not None and path.exists():
-        path.unlink()
-    metrics = ev(params, step, path)
+    paths = _output_paths(spec, f"step{step}") if main else (None, None)
+    metrics = ev(params, step, *paths)
     if main:
-        width = max(len(k) for k in metrics)
-        for k, v in metrics.items():
-            print(f"{k:<{width}}  {v:.4f}")
-        if path is not None:
-            print(f"transcripts: {path}")
+        _report(metrics, paths)
+    return metrics
+
+
+def _output_paths(spec, tag: str):
+    """``(transcripts, messages)`` JSONL paths under ``workdir/eval`` (old files of the same name removed)."""
+    if not spec.eval.write_transcripts:
+        return None, None
+    out = Path(spec.workdir) / "eval"
+    paths = out / f"transcripts_{tag}.jsonl", out / f"messages_{tag}.jsonl"
+    for p in paths:
+        if p.exists():
+            p.unlink()
+    return paths
+
+
+def _report(metrics: dict, paths) -> None:
+    width = max(len(k) for k in metrics)
+    for k, v in metrics.items():
+        print(f"{k:<{width}}  {v:.0f}" if k.startswith("api/") else f"{k:<{width}}  {v:.4f}")
+    if paths[0] is not None:
+        print(f"transcripts: {paths[0]}\nmessages:    {paths[1]}")
+
+
+def _run_remote_eval(spec) -> dict[str, float]:
+    """``mode=eval`` with ``model.provider`` a chat API: the validation puzzles through the API; the
+    summary adds its usage (``api/*``) and is also written to ``workdir/eval/summary_<model>.json``."""
+    m = spec.model
+    tokenizer = build_tokenizer(spec)
+    env, env_params = build_env(spec, tokenizer)
+    try:
+        client = ChatClient(m, progress=spec.trainer.progress_bar)
+    except ValueError as e:  # the key's variable is unset: the config's (or the shell's) to fix
+        raise ConfigError(str(e)) from None
+    print(f"evaluating {m.name!r} at {client.base_url} ({m.provider} API; transcripts counted in preset "
+          f"{spec.preset!r}'s tokens)")
+    try:
+        ev = Evaluator(None, env, env_params, tokenizer, spec.rollout, spec.eval, spec.rollout.batch_size,
+                       remote=client)
+        tag = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in m.name)
+        paths = _output_paths(spec, tag)
+        metrics = ev(None, 0, *paths)
+    finally:
+        client.close()
+    u = client.usage
+    metrics.update({"api/requests": float(u["requests"]), "api/http_attempts": float(u["attempts"]),
+                    "api/failed_requests": float(u["failed_requests"]),
+                    "api/prompt_tokens": float(u["prompt_tokens"]),
+                    "api/completion_tokens": float(u["completion_tokens"]),
+                    "api/cut_replies": float(u["cut_replies"])})
+    summary = Path(spec.workdir) / "eval" / f"summary_{tag}.json"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps({"model": m.name, "base_url": client.base_url, "provider": m.provider,
+                                   "metrics": metrics}, indent=2))
+    _report(metrics, paths)
+    print(f"summary:     {summary}")
     return metrics
 
 

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ragen_jax.config import ModelSection
 from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
 from ragen_jax.training.workdir import config_as_json
 
@@ -55,7 +56,9 @@ def fingerprint(config) -> str:
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
     # A model key added after caches were written is left out at its default (None), so those
     # caches stay valid; any other value is part of the key.
-    model = {k: v for k, v in c["model"].items() if not (k in _MODEL_KEYS_ADDED and v is None)}
+    # The API keys (a remote policy) never reach a warm-up.
+    model = {k: v for k, v in c["model"].items()
+             if not (k in _MODEL_KEYS_ADDED and v is None) and k not in ModelSection.API_KEYS}
     payload = {"version": ragen_jax.__version__, "model": model, "env": c["env"], "rollout": c["rollout"],
                "warmup": warmup}
     if c["model"].get("lora_rank"):
