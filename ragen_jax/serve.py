@@ -19,7 +19,8 @@ last ``assistant`` message is continued rather than answered),
 ``temperature``, ``top_p``, ``max_tokens`` (<= ``--max_tokens_limit``), ``stop`` (up to 4 strings:
 the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``seed``. Any other field
 (``stream``, ``tools``, ``logprobs``, ...) is refused with a 400 that names it; a body over
-``--max_body_bytes`` with a 413. The server binds 127.0.0.1 unless ``--host`` says otherwise, and
+``--max_body_bytes`` with a 413, one that has not arrived 10 s after its head with a 408 (and a
+connection that has not sent a request head within 5 s is closed). The server binds 127.0.0.1 unless ``--host`` says otherwise, and
 then warns: it has no authentication.
 
 ``--tokenization rollout`` (the default with ``--workdir``) tokenises a conversation as the rollout
@@ -53,7 +54,7 @@ from fastapi.responses import JSONResponse
 from flax import nnx
 from ml_collections import ConfigDict
 
-from environments.text.request_body import BodyTooLarge, read_body
+from environments.text.request_body import BodyTooLarge, HeadTimeoutH11Protocol, read_body
 from ragen_jax.compare import apply_overrides, parse_value
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.launch import load_config_file
@@ -293,8 +294,9 @@ def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> Cha
 
 
 def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
-             batch_window_ms: float = 10.0):
-    """The FastAPI application (``app.state.batcher`` counts requests and decode batches)."""
+             batch_window_ms: float = 10.0, body_timeout_s: float = 10.0):
+    """The FastAPI application (``app.state.batcher`` counts requests and decode batches). A body
+    that has not arrived ``body_timeout_s`` after the request head gets a 408."""
     batcher = Batcher(generator, batch_window_ms / 1000.0)
 
     @contextlib.asynccontextmanager
@@ -322,8 +324,12 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         try:
-            body = json.loads(await read_body(http, max_body_bytes))
+            body = json.loads(await asyncio.wait_for(read_body(http, max_body_bytes), body_timeout_s))
             request = parse_request(body, generator, max_tokens_limit)
+        except asyncio.TimeoutError:
+            return JSONResponse({"error": {"message": f"the body did not arrive within {body_timeout_s:g} s",
+                                           "type": "invalid_request_error"}}, status_code=408,
+                                headers={"Connection": "close"})
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the body is not JSON")
         except BodyTooLarge as e:
@@ -409,7 +415,9 @@ def main(argv=None) -> None:
         print(f"warning: serving on {args.host}:{args.port}, reachable from other machines; the server has no "
               "authentication", file=sys.stderr)
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # A connection must send its request head within the keep-alive time (uvicorn alone waits forever).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
+                http=HeadTimeoutH11Protocol)
 
 
 if __name__ == "__main__":

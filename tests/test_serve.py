@@ -35,7 +35,8 @@ def server(tmp_path_factory):
     train(spec)
     graphdef, params, model_cfg, tokenizer = load_policy(spec, str(workdir))
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16)
-    app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096, batch_window_ms=50)
+    app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096, batch_window_ms=50,
+                   body_timeout_s=1.0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -173,3 +174,23 @@ def test_a_prompt_past_half_the_context_still_gets_its_max_tokens(server):
     expected = _greedy_reference(server["reference"], text, 16, set(server["generator"].stop_ids.tolist()))
     reply = _client(server).chat.completions.create(model="x", messages=long, temperature=0, max_tokens=16)
     assert reply.choices[0].message.content == expected
+
+
+def test_a_body_that_stalls_gets_a_408(server):
+    """A client that sends its head and part of a body, then nothing: answered 408 after the body
+    timeout (1 s here), the connection closed; the server keeps serving."""
+    host, port = server["url"].removeprefix("http://").split(":")
+    t0 = time.time()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"messages\": ")
+        answer = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
+    assert time.time() - t0 < 8
+    reply = _client(server).chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")

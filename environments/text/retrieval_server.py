@@ -36,14 +36,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from environments.text.request_body import BodyTooLarge, read_body
+from environments.text.request_body import BodyTooLarge, HeadTimeoutH11Protocol, read_body
 from environments.text.retrieval import DEFAULT_CORPUS, BM25Retriever
 
 
@@ -61,42 +59,6 @@ class Limits:
     backlog: int = 2048
     limit_concurrency: int = 1024
     keep_alive_s: float = 5.0
-
-
-class HeadTimeoutH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on the request head: a connection that has not
-    sent a complete request line and headers ``timeout_keep_alive`` seconds after it opened (or after
-    its last response) is closed, however slowly it trickles bytes. uvicorn alone waits forever for a
-    first request, and restarts its idle timer on every byte."""
-
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def _cancel_head_timer(self):
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _arm_head_timer(self):
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-    def connection_made(self, transport):
-        super().connection_made(transport)
-        self._arm_head_timer()
-
-    def data_received(self, data: bytes):
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is complete: the app's body timeout takes over
-            self._cancel_head_timer()
-
-    def on_response_complete(self):
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._arm_head_timer()
-
-    def connection_lost(self, exc):
-        self._cancel_head_timer()
-        super().connection_lost(exc)
 
 
 class _BadRequest(Exception):
