@@ -64,7 +64,17 @@ def main() -> None:
         return ChatRequest(prompt=prompt, n=1, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, stop=(), seed=seed)
 
     # In-process: the same decode, batches of `concurrency` requests.
-    generator.run([request(k) for k in range(args.concurrency)])  # compile
+    # Compile every (rows, prompt width) bucket the server's batches can take: requests arrive in
+    # batches of any size, and an evaluation's later turns have longer prompts.
+    width = 64
+    while width <= 512:
+        rows = 1
+        while rows < 2 * args.concurrency:
+            generator.run([ChatRequest(prompt=[0] * (width - 1), n=1, temperature=1.0, top_p=1.0,
+                                       max_tokens=args.max_tokens, stop=(), seed=k)
+                           for k in range(min(rows, args.concurrency))])
+            rows *= 2
+        width *= 2
     t0, tokens = time.perf_counter(), 0
     for start in range(0, args.requests, args.concurrency):
         batch = [request(k) for k in range(start, min(start + args.concurrency, args.requests))]
