@@ -26,6 +26,9 @@ Free-text actions (``action_names=None``): each answer part reaches ``step`` as 
 model wrote (``search[who wrote Emma]``, ``The answer is: 12``), as the original passes language
 environments their actions; the bytes travel to the host with the step call.
 
+An env whose ``step`` mostly waits (a subprocess, a server) may set ``parallel_steps = N``: the
+rows of a batch are then stepped N at a time in threads (each row has its own env instance).
+
 ``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
 ``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
 same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
@@ -34,6 +37,7 @@ infinite reward, named with the env, the row and the step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable, Mapping
 
 import chex
@@ -170,6 +174,16 @@ class HostEnv(AgentFacing):
             raise error from e
         return box["out"]
 
+    def _step_rows(self, rows: list[int], texts: dict) -> dict:
+        """Each row's ``step`` output; rows at once (threads) when the env sets ``parallel_steps``
+        (an env whose step waits on a subprocess or a server: the code sandbox, a retrieval server)."""
+        width = int(getattr(self.envs[0], "parallel_steps", 1) or 1) if self.envs else 1
+        if width <= 1 or len(rows) <= 1:
+            return {i: self._call(i, "step", lambda i=i: self.envs[i].step(texts[i])) for i in rows}
+        with concurrent.futures.ThreadPoolExecutor(min(width, len(rows)), thread_name_prefix="HostEnv-step") as pool:
+            futures = {i: pool.submit(self._call, i, "step", lambda i=i: self.envs[i].step(texts[i])) for i in rows}
+            return {i: f.result() for i, f in futures.items()}
+
     def _checked_text(self, text, i: int, what: str) -> str:
         if not isinstance(text, str):
             raise TypeError(f"HostEnv {self._name(i)}.{what}() at step {int(self._steps[i])} of row {i} returned "
@@ -190,11 +204,11 @@ class HostEnv(AgentFacing):
         n = np.zeros((b,), np.int32)
         reward = np.zeros((b,), np.float32)
         flags = np.zeros((4, b), bool)  # done, success, valid, effective
-        for i in range(b):
-            if not do[i]:
-                continue
-            action = self._action_text(actions, i)
-            out = self._call(i, "step", lambda: self.envs[i].step(action))
+        rows = [i for i in range(b) if do[i]]
+        texts = {i: self._action_text(actions, i) for i in rows}
+        outs = self._step_rows(rows, texts)
+        for i in rows:
+            action, out = texts[i], outs[i]
             if not (isinstance(out, tuple) and len(out) == 4):
                 raise TypeError(f"HostEnv {self._name(i)}.step() at step {int(self._steps[i]) + 1} of row {i} returned "
                                 f"{type(out).__name__}; it must return (text, reward, done, info)")
