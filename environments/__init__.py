@@ -2,7 +2,7 @@
 
 On device (``REGISTRY``; jax/chex/numpy only): sokoban, frozen_lake, bandit, game_2048, rubikscube,
 sudoku, countdown. In Python (``HOST_REGISTRY``, run through ``ragen_jax.rollout.host_env.HostEnv``):
-metamathqa, search, textworld, code (programs run against tests in a sandbox), and ``webshop`` / ``alfworld`` adapters for a locally installed
+metamathqa, search, textworld, code (programs run against tests in a sandbox), lean (tactics checked by a Lean server), and ``webshop`` / ``alfworld`` adapters for a locally installed
 copy of those environments. ``TAGS`` maps the original's ``config/envs.yaml`` tag names
 (``SimpleSudoku``, ``SearchQAMock``, ...) to an environment and its settings.
 """
@@ -32,6 +32,7 @@ HOST_REGISTRY = {
     "webshop": "environments.text.adapters:WebShop",
     "alfworld": "environments.text.adapters:ALFWorld",
     "code": "environments.code.env:CodeEnv",
+    "lean": "environments.code.lean:LeanEnv",
 }
 
 # The original's tag names (config/envs.yaml) -> (environment, its settings there).

@@ -9,12 +9,14 @@
     obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
 
 ``GymnaxEnvironment`` subclasses ``gymnax.environments.environment.Environment`` around one of our
-environments (FrozenLake, Sokoban: those with a symbol grid). The dynamics are ours unchanged:
+environments with discrete actions and an integer-code observation: FrozenLake and Sokoban (the
+symbol grid), 2048 (``[4, 4]`` tile exponents), the 2×2 cube (``[6, 4]`` sticker colours). The dynamics are ours unchanged:
 ``step_env`` is our ``step_env``, and ``step`` auto-resets exactly as gymnax's does, with gymnax's
 extra ``info`` keys (``terminated``, ``truncated``, ``final_observation``) beside ours
 (``action_is_valid``, ``action_is_effective``, ``success``). Truncation is our env's own flag
 (the step cap reached on a non-terminal step). Spaces: ``Discrete(num_actions)`` actions and a
-``Box`` over the render codes ``0 .. len(grid_lookup) - 1`` of shape ``[rows, cols]``.
+``Box`` over the codes ``0 .. observation_codes - 1`` (``len(grid_lookup)`` for a symbol grid) of the
+observation's shape.
 
 gymnax is an optional dependency (``pip install -e ".[gymnax]"``); the rest of ``environments``
 never imports it.
@@ -37,15 +39,18 @@ class GymnaxEnvironment(gymnax_env.Environment):
     """A gymnax ``Environment`` whose dynamics are those of ``env`` (one of ours)."""
 
     def __init__(self, env: Environment, params=None):
-        if not hasattr(env, "grid_lookup"):
-            raise ValueError(f"{env.name}: only environments with a symbol-grid observation (frozen_lake, sokoban) "
-                             "have a gymnax observation space")
+        codes = getattr(env, "observation_codes", None)
+        if codes is None and hasattr(env, "grid_lookup"):
+            codes = len(env.grid_lookup)
+        if codes is None:
+            raise ValueError(f"{env.name}: only environments with a discrete-code observation (frozen_lake, sokoban, "
+                             "game_2048, rubikscube) have a gymnax observation space")
         self.env = env
         self._params = env.default_params() if params is None else params
         params = self._params
         obs, _ = jax.eval_shape(env.reset_env, jax.random.key(0), params)
         self._obs_shape = tuple(obs.shape)
-        self._num_codes = len(env.grid_lookup)
+        self._num_codes = int(codes)
 
     @property
     def name(self) -> str:

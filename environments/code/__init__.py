@@ -1,2 +1,2 @@
 """Code environments: programs a model writes, run against tests in a sandbox (``env.CodeEnv``,
-``sandbox.Sandbox``, ``problems``); Lean proofs checked by a Lean server (``lean.LeanEnv``)."""
+``sandbox.Sandbox``, ``problems``); Lean proofs checked by a Kimina Lean server (``lean.LeanEnv``)."""

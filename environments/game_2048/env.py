@@ -209,6 +209,9 @@ class Game2048(Environment):
                 "action_mask": mask}  # the moves that change the next board (the original's info key)
         return self.observation(next_state), next_state, reward, terminated, truncated, info
 
+    # The observation's integer codes (tile exponents 0 .. MAX_EXPONENT): its gymnax Box space (environments.gymnax_adapter).
+    observation_codes = MAX_EXPONENT + 1
+
     def observation(self, state: Game2048State, params=None) -> chex.Array:
         """int32 [4, 4] tile exponents."""
         return state.board

@@ -114,6 +114,9 @@ class RubiksCube(Environment):
         info = {"action_is_valid": valid, "action_is_effective": valid, "success": solved}
         return self.observation(next_state), next_state, solved.astype(jnp.float32), solved, truncated, info
 
+    # The observation's integer codes (one code per sticker colour): its gymnax Box space (environments.gymnax_adapter).
+    observation_codes = len(COLOURS)
+
     def observation(self, state: CubeState, params=None) -> chex.Array:
         """int32 [6, 4] sticker colours per face."""
         return state.stickers.reshape(6, 4)

@@ -63,9 +63,40 @@ def test_truncation_is_our_step_cap():
     assert flags[-1][0] or flags[-1] == (False, True)
 
 
-@pytest.mark.parametrize("name, kwargs", [("frozen_lake", dict(size=4)), ("sokoban", dict(dim_room=(6, 6)))])
-def test_gymnax_wrappers_run_vmapped(name, kwargs):
-    env = LogWrapper(FlattenObservationWrapper(to_gymnax(name, **kwargs)))
+@pytest.mark.parametrize("name, shape, high, actions", [("sokoban", (6, 6), 6, 4), ("game_2048", (4, 4), 17, 4),
+                                                       ("rubikscube", (6, 4), 5, 12)])
+def test_every_discrete_device_env_steps_as_ours(name, shape, high, actions):
+    """The adapter's step against our ``step_env`` on random actions, and the spaces it declares."""
+    env = to_gymnax(name)
+    ours, params = env.env, env.default_params
+    assert env.action_space(params).n == actions == ours.num_actions
+    space = env.observation_space(params)
+    assert space.shape == shape and space.high == high
+    key = jax.random.key(5)
+    obs, state = env.reset(key, params)
+    obs_ref, state_ref = ours.reset_env(key, params)
+    np.testing.assert_array_equal(obs, obs_ref)
+    for i, a in enumerate(np.random.default_rng(1).integers(0, actions, size=20)):
+        k = jax.random.fold_in(key, i)
+        obs, state_next, reward, terminated, truncated, info = env.step(k, state, int(a), params)
+        obs_r, state_r, reward_r, term_r, trunc_r, info_r = ours.step_env(jax.random.split(k)[0], state_ref, int(a),
+                                                                          params)
+        # jitted (the adapter) against eager (ours): 2048's log2 reward may differ in the last bit
+        assert float(reward) == pytest.approx(float(reward_r), rel=1e-6) and bool(terminated) == bool(term_r)
+        assert bool(truncated) == bool(trunc_r) and bool(space.contains(obs))
+        np.testing.assert_array_equal(info["final_observation"], obs_r)
+        if bool(term_r) or bool(trunc_r):
+            break
+        np.testing.assert_array_equal(obs, obs_r)
+        state, state_ref = state_next, state_r
+
+
+@pytest.mark.parametrize("name, kwargs, params", [
+    ("frozen_lake", dict(size=4), {}), ("sokoban", dict(dim_room=(6, 6)), {}),
+    # A 20-step cap, so that random play ends episodes (a 2048 game would run on for long).
+    ("game_2048", {}, dict(max_steps_in_episode=20)), ("rubikscube", {}, {})])
+def test_gymnax_wrappers_run_vmapped(name, kwargs, params):
+    env = LogWrapper(FlattenObservationWrapper(to_gymnax(name, params=params, **kwargs)))
     params = env.default_params
     keys = jax.random.split(jax.random.key(1), 8)
     obs, state = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
