@@ -32,27 +32,10 @@ fastapi = pytest.importorskip("fastapi")
 from ragen_jax.config import ConfigError, resolve  # noqa: E402
 from ragen_jax.serve import Generator, load_policy, make_app  # noqa: E402
 from ragen_jax.training.evaluate import run_eval  # noqa: E402
+from tests.local_server import serving  # noqa: E402
 from tests.training.test_trainer import small_config_dict  # noqa: E402
 
 VALID_REPLY = "<think>The goal is below.</think><answer>Down</answer>"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    return f"http://127.0.0.1:{port}/v1", srv, thread
 
 
 def _records(path) -> list[dict]:
@@ -89,13 +72,9 @@ def test_served_checkpoint_through_the_api_plays_the_in_process_episodes(trained
     graphdef, params, model_cfg, tokenizer = load_policy(resolve(config), str(workdir))
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16,
                           tokenization="rollout")
-    url, srv, thread = _start(make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, batch_window_ms=20))
-    try:
-        remote = run_eval(resolve(_eval_config(config, tmp_path, provider="openai", base_url=url,
+    with serving(make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, batch_window_ms=20)) as base:
+        remote = run_eval(resolve(_eval_config(config, tmp_path, provider="openai", base_url=base + "/v1",
                                                name="tiny-frozen-lake", continue_final_message=True)))
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
     ours = _records(workdir / "eval" / "transcripts_step1.jsonl")
     theirs = _records(tmp_path / "eval" / "transcripts_tiny-frozen-lake.jsonl")
     assert len(ours) == len(theirs) == 8
@@ -179,10 +158,8 @@ class Scripted:
 @pytest.fixture(scope="module")
 def scripted():
     server = Scripted()
-    url, srv, thread = _start(server.app)
-    yield url, server
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(server.app) as base:
+        yield base + "/v1", server
 
 
 def _api_eval(tmp_path, url, name, **model):

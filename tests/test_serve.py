@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from ragen_jax.config import resolve  # noqa: E402
 from ragen_jax.serve import Generator, load_policy, make_app  # noqa: E402
+from tests.local_server import serving  # noqa: E402
 from tests.training.test_trainer import small_config_dict  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "You are a helpful agent."},
@@ -37,20 +37,8 @@ def server(tmp_path_factory):
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16)
     app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096, batch_window_ms=50,
                    body_timeout_s=1.0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield {"url": f"http://127.0.0.1:{port}", "generator": generator, "app": app,
-           "reference": (graphdef, params, tokenizer)}
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield {"url": base, "generator": generator, "app": app, "reference": (graphdef, params, tokenizer)}
 
 
 def _client(server):

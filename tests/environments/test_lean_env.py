@@ -8,9 +8,6 @@ no error and no ``sorry``; −0.1 a step, +1 / −1 accepted / rejected, +10 sol
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -18,6 +15,7 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from environments.code.lean import LeanEnv, verdict  # noqa: E402
+from tests.local_server import free_port, serving  # noqa: E402
 
 STATEMENT = "theorem two_steps (a b : ℕ) (h : a = b) : a + 0 = b := by"
 UNSOLVED = {"severity": "error", "pos": {"line": 6, "column": 52}, "endPos": {"line": 7, "column": 9},
@@ -68,17 +66,8 @@ class StandIn:
 @pytest.fixture(scope="module")
 def server():
     stand_in = StandIn()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(stand_in.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", stand_in
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(stand_in.app) as base:
+        yield base, stand_in
 
 
 @pytest.fixture()
@@ -140,9 +129,7 @@ def test_a_busy_server_is_retried_and_a_dead_one_is_named(server, theorems):
     env.reset(seed=0)
     stand_in.fail_first = 2
     assert env.step("simp")[1] == pytest.approx(0.9)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     env = LeanEnv(data_path=theorems, server_url=f"http://127.0.0.1:{dead}", max_retries=1)
     env.reset(seed=0)
     with pytest.raises(ConnectionError, match=f"the Lean server at http://127.0.0.1:{dead} did not answer"):
