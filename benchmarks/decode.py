@@ -12,6 +12,16 @@ converter), each child loads them, checks greedy agreement on a fixed prompt, th
 prefill included, best of `--repeats`. Reported: new tokens/s, the ratio ours / transformers, and
 the peak RSS during decoding (the high-water mark is reset after loading, so weight conversion is
 not counted).
+
+The limits, measured in our child right after its timing (same process, same cores):
+* **memory bandwidth**: the best of a jitted sum over a 256 MB float32 array (bytes read / s);
+  a decode step must read at least every weight the step multiplies by (all but the input
+  embedding table, of which it gathers B rows; a tied table is read whole by the head) and the
+  KV cache slots attention reads (ours reads the filled blocks, ``decoder.cache_block_slots``),
+  averaged over the generation. *of BW bound* = achieved decode steps/s × those bytes / bandwidth.
+* **matmul peak**: the best of a jitted 2048² float32 ``jnp.dot``; *of matmul peak* = model FLOPs
+  per token (2 × matmul parameters + 4 × layers × heads × head_dim × the mean context) × tokens/s /
+  peak. Prefill is inside the timed call, so both fractions are slightly understated.
 """
 from __future__ import annotations
 
@@ -113,8 +123,62 @@ def child_ours(args) -> dict:
             tokens = jax.block_until_ready(run(params, prompt, keys, sampling, new))
             times.append(time.perf_counter() - t0)
         assert tokens.shape == (batch, new)
-        results.append(dict(batch=batch, seconds=min(times), compile_s=compile_s, peak_rss_mb=_peak_rss_mb()))
-    return dict(results=results, parity=np.asarray(parity)[0].tolist())
+        results.append(dict(batch=batch, seconds=min(times), compile_s=compile_s, peak_rss_mb=_peak_rss_mb(),
+                            **_decode_costs(cfg, params, batch, args.prompt_len, new)))
+    return dict(results=results, parity=np.asarray(parity)[0].tolist(), **_machine_limits())
+
+
+def _decode_costs(cfg, params, batch: int, prompt_len: int, new: int) -> dict:
+    """Bytes a decode step must read and FLOPs a token costs, averaged over the generation."""
+    import jax
+    import numpy as np
+
+    from ragen_jax.models.decoder import cache_block_slots
+
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for _, x in leaves)
+    embed = [x for path, x in leaves if "embed" in jax.tree_util.keystr(path).lower()]
+    # The input table is gathered (B rows), not read, unless the head reuses it.
+    gathered = 0 if cfg.tie_word_embeddings or not embed else int(np.prod(embed[0].shape)) * embed[0].dtype.itemsize
+    weight_bytes = total - gathered
+    count = sum(int(np.prod(x.shape)) for _, x in leaves)
+    matmul_params = count - (int(np.prod(embed[0].shape)) if embed else 0)  # the gather is no matmul
+    if cfg.tie_word_embeddings:
+        matmul_params += cfg.vocab_size * cfg.hidden_size  # the head
+    block = cache_block_slots(0)
+    cap = prompt_len + new
+    kv_item = np.dtype(cfg.kv_cache_dtype or cfg.dtype).itemsize
+    per_slot = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * kv_item
+    slots = [min(cap, -(-(p + 1) // block) * block) for p in range(prompt_len, cap)]
+    kv_bytes = per_slot * float(np.mean(slots))
+    ctx = float(np.mean(np.arange(prompt_len, cap) + 1))
+    flops = 2 * matmul_params + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+    return dict(step_bytes=weight_bytes + kv_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+                flops_per_token=flops)
+
+
+def _machine_limits() -> dict:
+    """Measured here and now: read bandwidth (bytes/s) and the float32 matmul peak (FLOP/s)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MB
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    read = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        read.append(time.perf_counter() - t0)
+    a = jnp.ones((2048, 2048), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, a))
+    mm = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(dot(a, a))
+        mm.append(time.perf_counter() - t0)
+    return dict(bandwidth=x.nbytes / min(read), matmul_peak=2 * 2048 ** 3 / min(mm))
 
 
 def child_hf(args) -> dict:
@@ -237,19 +301,29 @@ def main(argv=None):
                 n = o["batch"] * args.new_tokens
                 row = dict(model=name, batch=o["batch"], ours_tps=n / o["seconds"], hf_tps=n / h["seconds"],
                            ours_rss=o["peak_rss_mb"], hf_rss=h["peak_rss_mb"], ours_compile=o["compile_s"],
-                           parity=parity)
+                           parity=parity, bandwidth=ours["bandwidth"], peak=ours["matmul_peak"])
                 row["ratio"] = row["ours_tps"] / row["hf_tps"]
+                steps_per_s = row["ours_tps"] / o["batch"]
+                row["of_bw"] = steps_per_s * o["step_bytes"] / ours["bandwidth"]
+                row["of_peak"] = row["ours_tps"] * o["flops_per_token"] / ours["matmul_peak"]
+                row["step_mb"] = o["step_bytes"] / 1e6
                 rows.append(row)
                 print(f"{name:8s} batch {row['batch']:3d}: ours {row['ours_tps']:9.1f} tok/s  transformers "
                       f"{row['hf_tps']:9.1f} tok/s  ratio {row['ratio']:5.2f}x  peak RSS {row['ours_rss']:6.0f} / "
-                      f"{row['hf_rss']:6.0f} MB  greedy agreement {parity:.0%}  (compile {row['ours_compile']:.1f}s)",
-                      flush=True)
+                      f"{row['hf_rss']:6.0f} MB  greedy agreement {parity:.0%}  of BW bound {row['of_bw']:.0%}  "
+                      f"of matmul peak {row['of_peak']:.0%}  (compile {row['ours_compile']:.1f}s)", flush=True)
 
-    table = ["| model | batch | ours tok/s | transformers tok/s | ratio | peak RSS ours (MB) | peak RSS transformers (MB) | greedy agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+    table = ["| model | batch | ours tok/s | transformers tok/s | ratio | ours: MB read / step | ours of BW bound | "
+             "ours of matmul peak | peak RSS ours (MB) | peak RSS transformers (MB) | greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['model']} | {r['batch']} | {r['ours_tps']:.1f} | {r['hf_tps']:.1f} | {r['ratio']:.2f}x | "
+                     f"{r['step_mb']:.1f} | {r['of_bw']:.0%} | {r['of_peak']:.0%} | "
                      f"{r['ours_rss']:.0f} | {r['hf_rss']:.0f} | {r['parity']:.0%} |")
+    if rows:
+        table.append("")
+        table.append(f"Measured in the same run: read bandwidth {rows[0]['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+                     f"peak {rows[0]['peak'] / 1e9:.0f} GFLOP/s.")
     print("\n".join(table))
     if args.out:
         cmd = "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
