@@ -101,6 +101,9 @@ def load_config_file(path: str):
         hint = f"; config files in {here}/: {', '.join(shipped)}" if shipped else \
             " (run from the repository root, e.g. --config configs/frozen_lake.py)"
         raise ValueError(f"config file {path!r} does not exist{hint}")
+    if not path.endswith(".py"):
+        raise ValueError(f"config file {path!r} must be a Python file defining get_config() (configs/*.py); a run's "
+                         "config.json records what ran: launch the config file it was made from, with the same overrides")
     spec = importlib.util.spec_from_file_location("_user_config", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -217,12 +217,12 @@ def _run_remote_eval(spec) -> dict[str, float]:
     m = spec.model
     tokenizer = build_tokenizer(spec)
     env, env_params = build_env(spec, tokenizer)
+    print(f"evaluating {m.name!r} at {m.api_base_url} ({m.provider} API; transcripts counted in preset "
+          f"{spec.preset!r}'s tokens)", flush=True)
     try:
         client = ChatClient(m, progress=spec.trainer.progress_bar)
     except ValueError as e:  # the key's variable is unset: the config's (or the shell's) to fix
         raise ConfigError(str(e)) from None
-    print(f"evaluating {m.name!r} at {client.base_url} ({m.provider} API; transcripts counted in preset "
-          f"{spec.preset!r}'s tokens)")
     try:
         ev = Evaluator(None, env, env_params, tokenizer, spec.rollout, spec.eval, spec.rollout.batch_size,
                        remote=client)

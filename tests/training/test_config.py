@@ -199,6 +199,11 @@ def test_cli_missing_and_broken_config_files(tmp_path):
     p = _launch("--config", str(broken))
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "could not be loaded (line 1" in p.stderr and "SyntaxError" in p.stderr
+    saved = tmp_path / "config.json"
+    saved.write_text("{}")
+    p = _launch("--config", str(saved))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "must be a Python file defining get_config()" in p.stderr
     broken.write_text("from configs import base\n\ndef get_config():\n    c = base.get_config()\n    return c.nope\n")
     p = _launch("--config", str(broken))
     assert p.returncode == 2 and "line 5: return c.nope" in p.stderr, p.stderr
