@@ -27,7 +27,7 @@ from environments.code.sandbox import Limits, Sandbox
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
 
 # Runs the answer and the tests in one interpreter inside the sandbox and writes outcome.json:
-# {"passed": k, "total": n, "failure": {...} | None}. The answer's own output goes to stdout.
+# {"passed": k, "failure": {...} | None} (the parent knows how many tests it sent). The answer's own output goes to stdout.
 _HARNESS = r'''
 import json, linecache, sys, traceback
 
@@ -43,20 +43,19 @@ def where(e, name):
 def failure(stage, e, name, test=""):
     return {"stage": stage, "error": type(e).__name__, "message": str(e)[:2000], "line": where(e, name), "test": test}
 
-def finish(passed, total, fail):
+def finish(passed, fail):
     with open("outcome.json", "w") as f:
-        json.dump({"passed": passed, "total": total, "failure": fail}, f)
+        json.dump({"passed": passed, "failure": fail}, f)
     sys.stdout.flush()
 
 spec = json.load(open("spec.json"))
 scope = {"__name__": "__solution__"}
-total = (1 if spec["test"] else 0) + len(spec["tests"])
 try:
     exec(compiled(open("solution.py").read(), "solution.py"), scope)
     if not callable(scope.get(spec["entry_point"])):
         raise NameError(f"the program defines no function {spec['entry_point']}()")
 except BaseException as e:
-    finish(0, total, failure("load", e, "solution.py"))
+    finish(0, failure("load", e, "solution.py"))
     raise SystemExit(0)
 passed, fail = 0, None
 if spec["test"]:
@@ -72,7 +71,7 @@ for i, test in enumerate(spec["tests"]):
         passed += 1
     except BaseException as e:
         fail = fail or failure("test", e, f"test{i}.py", test)
-finish(passed, total, fail)
+finish(passed, fail)
 '''
 
 
@@ -86,16 +85,18 @@ def _imports(prompt: str) -> str:
     return "".join(line + "\n" for line in prompt.splitlines() if line.startswith(("import ", "from ")))
 
 
-def _cut(text: str, n: int) -> str:
+def cut_text(text: str, n: int) -> str:
+    """``text`` cut to at most ``n`` characters, ``...`` marking the cut (feedback shown to the model)."""
     return text if len(text) <= n else text[: max(0, n - 3)] + "..."
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
 
 
 def _same_output(got: str, expected: str) -> bool:
     """Line by line, trailing whitespace and trailing empty lines ignored."""
-    def lines(s):
-        out = [ln.rstrip() for ln in s.strip("\n").splitlines()]
-        return out
-    return lines(got) == lines(expected)
+    return _lines(got) == _lines(expected)
 
 
 class CodeEnv:
@@ -172,7 +173,7 @@ class CodeEnv:
         except (ValueError, KeyError, TypeError):
             # No report: the program ended the interpreter itself (exit(), os._exit, a crash).
             tail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.exit_code}"]
-            return 0, total, _cut(f"The program stopped before the tests finished: {tail[0]}", self.max_feedback_chars)
+            return 0, total, cut_text(f"The program stopped before the tests finished: {tail[0]}", self.max_feedback_chars)
         if fail is None:
             return passed, total, ""
         head = f"{fail['error']}: {fail['message']}".rstrip(": ") if fail["message"] else fail["error"]
@@ -181,7 +182,7 @@ class CodeEnv:
         else:
             failing = fail["test"] or fail["line"]
             text = f"A test failed: {failing}\n{head}" if failing else f"A test failed: {head}"
-        return passed, total, _cut(text, self.max_feedback_chars)
+        return passed, total, cut_text(text, self.max_feedback_chars)
 
     def _run_io_tests(self, p: CodeProblem, program: str) -> tuple[int, int, str]:
         passed, feedback = 0, ""
@@ -194,9 +195,9 @@ class CodeEnv:
                 passed += 1
                 continue
             else:
-                bad = (f"Wrong answer.\nInput:\n{_cut(given, 150)}\nExpected:\n{_cut(expected, 150)}\n"
-                       f"Got:\n{_cut(result.stdout, 150)}")
-            feedback = feedback or _cut(bad, self.max_feedback_chars)
+                bad = (f"Wrong answer.\nInput:\n{cut_text(given, 150)}\nExpected:\n{cut_text(expected, 150)}\n"
+                       f"Got:\n{cut_text(result.stdout, 150)}")
+            feedback = feedback or cut_text(bad, self.max_feedback_chars)
             if not self.partial_credit:
                 break  # the reward is all or nothing: the first failure decides it
         return passed, len(p.io), feedback

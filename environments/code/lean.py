@@ -36,6 +36,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from environments.code.env import cut_text
+
 DEFAULT_IMPORTS = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 400000\nopen BigOperators Real Nat Topology Rat"
 
 
@@ -164,7 +166,7 @@ class LeanEnv:
         shown = [m for m in messages if str(m.get("severity", "")).lower() in ("error", "warning")]
         text = "; ".join(str(m.get("data", "")).strip() for m in shown)
         out = f"{head}." + (f" {text}" if text else "")
-        return out if len(out) <= self.max_feedback_chars else out[: self.max_feedback_chars - 3] + "..."
+        return cut_text(out, self.max_feedback_chars)
 
     # ---- the server --------------------------------------------------------------------
     def check(self, code: str) -> dict:

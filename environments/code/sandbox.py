@@ -19,8 +19,9 @@ Each run gets a fresh temporary directory and a fresh interpreter (``python -I``
 * starts with an environment of four variables (``PATH``, ``HOME`` = its directory, ``LANG``,
   ``PYTHONHASHSEED``): nothing the host process holds — API keys included — is inherited.
 
-The parent waits at most ``timeout_s`` wall-clock seconds, then kills the process group; as root it
-also kills every process of the slot's user id (children that left the group with ``setsid`` too).
+The parent waits at most ``timeout_s`` wall-clock seconds, then kills the program (its PID
+namespace, and everything in it, goes with it) and the process group; without a PID namespace, as
+root, it also kills every process of the slot's user id (children that left the group with ``setsid``).
 ``max_workers`` runs go on at once (a slot each); more wait for a free slot.
 
 What this stops: infinite loops, fork bombs, memory blow-ups, huge outputs, writes outside its
@@ -177,7 +178,9 @@ class Sandbox:
                 except subprocess.TimeoutExpired:
                     status, code = "timeout", None
                 seconds = time.monotonic() - t0
-                self._kill_all(proc, program, uid)
+                # In its own PID namespace nothing outlives the program; otherwise every process of
+                # the slot's user id goes too (children that left the group with setsid included).
+                self._kill_all(proc, program, uid if not isolated else -1)
                 fout.seek(0)
                 ferr.seek(0)
                 out, err = fout.read(cap + 1), ferr.read(cap + 1)

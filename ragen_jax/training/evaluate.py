@@ -92,7 +92,8 @@ class Evaluator:
             errors = dict(remote.errors) if remote is not None else {}
             failed.append(np.asarray([b in errors for b in range(rows)]))
             if jsonl_path is not None or messages_path is not None:
-                records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk, errors=errors))
+                records.extend(self._records(traj, step, first_puzzle=c * self.groups_per_chunk, errors=errors,
+                                             messages=messages_path is not None))
         n = self.num_episodes * k  # drop the padding puzzles of the last chunk
         col = {f: np.concatenate(v)[:n] for f, v in columns.items()}
         s = col["success"].astype(np.float64)
@@ -109,22 +110,20 @@ class Evaluator:
         }
         if remote is not None:
             metrics["api/failed_episodes"] = float(np.concatenate(failed)[:n].sum())
-        for path, key in ((jsonl_path, "transcript"), (messages_path, "messages")):
+        # The transcripts file holds the text, the messages file the same episodes as chat messages.
+        for path, drop in ((jsonl_path, "messages"), (messages_path, "transcript")):
             if path is not None:
-                write_records(path, records[:n], drop="messages" if key == "transcript" else "transcript")
+                write_records(path, records[:n], drop=drop)
         return metrics, s.reshape(-1, k).mean(axis=1)
 
-    def _records(self, traj, step: int, first_puzzle: int, errors: dict[int, str]) -> list[dict]:
+    def _records(self, traj, step: int, first_puzzle: int, errors: dict[int, str], messages: bool) -> list[dict]:
+        """One record per episode; ``messages``: also the conversation as chat messages."""
         k = int(self.eval_cfg.pass_k)
-        framing = self.rollout.framing
         out = []
         for b in range(traj.tokens.shape[0]):
             ids = traj.tokens[b][traj.valid_mask[b]]
             nt = int(traj.num_turns[b])
             text = codec_lib.decode(self.tokenizer, ids)
-            messages, opening = split_conversation(framing, text)
-            if opening:  # a rollout always closes its last reply; kept rather than dropped if not
-                messages.append({"role": "assistant", "content": opening})
             record = {
                 "step": int(step),
                 "puzzle": first_puzzle + b // k,
@@ -135,8 +134,12 @@ class Evaluator:
                 "num_actions": int(traj.num_actions[b]),
                 "turn_rewards": [float(x) for x in traj.turn_rewards[b][:nt]],
                 "transcript": text,
-                "messages": messages,
             }
+            if messages:
+                chat, opening = split_conversation(self.rollout.framing, text)
+                if opening:  # a rollout always closes its last reply; kept rather than dropped if not
+                    chat.append({"role": "assistant", "content": opening})
+                record["messages"] = chat
             if b in errors:
                 record["api_error"] = errors[b]
             out.append(record)
