@@ -319,11 +319,12 @@ def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Cal
 
 
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
-               progress: bool = True, frozen=None) -> tuple[Any, dict]:
+               progress: bool = True, frozen=None, first_phase_only: bool = False) -> tuple[Any, dict]:
     """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
 
     ``frozen``: model state merged with ``params`` but not trained (a LoRA model's base weights:
-    then only the adapters in ``params`` learn).
+    then only the adapters in ``params`` learn). ``first_phase_only``: stop after phase 1, with the
+    learning rate it has in the whole warm-up (``tools/reading_plateau.py`` measures that phase).
 
     Two phases share one AdamW optimiser:
 
@@ -352,8 +353,9 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     t0 = time.time()
     if not isinstance(warmup_cfg, WarmupConfig):
         warmup_cfg = section_from_dict(WarmupConfig, "warmup", warmup_cfg)
-    phases, check = _warmup_phases(rollout, _with_frozen(params, frozen), warmup_cfg)
-    conv_steps = int(warmup_cfg.steps)
+    phases, check = _warmup_phases(rollout, _with_frozen(params, frozen),
+                                   dataclasses.replace(warmup_cfg, steps=0) if first_phase_only else warmup_cfg)
+    conv_steps = int(warmup_cfg.steps)  # the schedule's length counts phase 2 even when it is not run
     total = conv_steps + int(warmup_cfg.single_turn_steps)
     # The learning rate is set on the host before every step: where phase 2's decay starts is only
     # known once phase 1 has ended.
