@@ -310,6 +310,32 @@ def test_first_turn_phase_ends_when_the_board_is_read(setup, monkeypatch):
     np.testing.assert_allclose(lrs, expected, rtol=1e-6)
 
 
+def test_first_phase_only_keeps_the_whole_warmups_learning_rate(setup, monkeypatch):
+    """``first_phase_only`` (tools/reading_plateau.py) runs phase 1 alone, with the schedule it has in
+    the whole warm-up: the ramp counts phase 2's steps and the rate does not decay (hand formula)."""
+    tok, graphdef, params, rollout, env, ep = setup
+    readings = iter([0.3, 0.5, 0.95])
+    monkeypatch.setattr(warmup_lib, "make_reading_check", lambda *a, **k: (lambda p: next(readings)))
+    lrs = []
+    real_step = warmup_lib.make_bc_step
+
+    def spy(graphdef_, tx, prefix_len=0):
+        step = real_step(graphdef_, tx, prefix_len)
+
+        def wrapped(p, o, tokens, loss_mask, valid_mask):
+            lrs.append(float(o[1].hyperparams["learning_rate"]))
+            return step(p, o, tokens, loss_mask, valid_mask)
+        return wrapped
+
+    monkeypatch.setattr(warmup_lib, "make_bc_step", spy)
+    cfg = ConfigDict(dict(steps=60, single_turn_steps=20, batch_size=2, lr=1e-2, num_states=4, action_noise=0.0,
+                          seed=1, log_every=1, reading_target=0.9, check_every=2, heldout_states=4))
+    _, summary = warmup_lib.run_warmup(rollout, params, cfg, progress=False, first_phase_only=True)
+    assert summary["warmup/single_turn_steps"] == 6.0 and "warmup/conversation_steps" not in summary
+    warm = (20 + 60) // 20  # 4 ramp steps, as in the whole warm-up; then constant (phase 2 would decay)
+    np.testing.assert_allclose(lrs, [1e-2 * k / warm for k in (1, 2, 3)] + [1e-2] * 3, rtol=1e-6)
+
+
 def test_limited_context_warmup_trains_each_turn_on_its_window(setup):
     """With ``context_window=1`` the behaviour-cloning rows are the turns as the policy will see
     them: the system preamble, that turn's user message and the expert's reply — one row per turn
