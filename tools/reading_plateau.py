@@ -21,6 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+if __name__ == "__main__":  # huge pages for XLA's step buffers, as the launcher does (ragen_jax.malloc_tuning)
+    from ragen_jax.malloc_tuning import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+
 
 def main(argv) -> None:
     from absl import app, flags
