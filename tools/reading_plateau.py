@@ -27,11 +27,11 @@ if __name__ == "__main__":  # huge pages for XLA's step buffers, as the launcher
     reexec_with_huge_pages()
 
 
-def main(argv) -> None:
-    from absl import app, flags
-    from ml_collections import config_flags
+def main(argv=None) -> None:
+    from absl import flags
 
-    config = config_flags.DEFINE_config_file("config", None, "The run's config file (configs/*.py).")
+    from ragen_jax import launch
+
     out = flags.DEFINE_string("out", None, "Also write the readings to this JSON file.")
 
     def run(_):
@@ -39,13 +39,18 @@ def main(argv) -> None:
         from ragen_jax.training.run import setup
         from ragen_jax.training.warmup import run_warmup
 
-        if config.value is None:
-            raise app.UsageError("--config is required, e.g. --config configs/frozen_lake.py")
-        spec = resolve(config.value)
+        cfg = launch._CONFIG.value
+        if cfg is None:
+            print("Configuration error: --config is required, e.g. --config configs/frozen_lake.py", file=sys.stderr)
+            sys.exit(2)
+        launch.start(cfg)
+        with launch.user_errors():
+            spec = resolve(cfg)
         w = spec.warmup
         if not (w.single_turn_steps and w.reading_target > 0):
-            raise app.UsageError("the config has no first-turn phase with a reading target: set "
-                                 "--config.warmup.single_turn_steps and --config.warmup.reading_target")
+            print("Configuration error: the config has no first-turn phase with a reading target: set "
+                  "--config.warmup.single_turn_steps and --config.warmup.reading_target", file=sys.stderr)
+            sys.exit(2)
         built = setup(spec)
         readings, t0 = [], time.time()
 
@@ -61,13 +66,13 @@ def main(argv) -> None:
         steps = int(summary["warmup/single_turn_steps"])
         reached = bool(readings) and readings[-1]["reading"] >= w.reading_target
         print(f"{'reached' if reached else 'did not reach'} {w.reading_target} after {steps} steps "
-              f"(batch {w.batch_size}, init seed {spec.config.model.tiny.init_seed})")
+              f"(batch {w.batch_size}, init seed {cfg.model.tiny.init_seed})")
         if out.value:
             Path(out.value).write_text(json.dumps({"reached": reached, "steps": steps, "batch_size": w.batch_size,
                                                    "readings": readings}, indent=1))
 
-    app.run(run, argv)
+    launch.run(argv, main=run)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main()
