@@ -17,8 +17,8 @@ warm-up whose first-turn phase ends once the model names both cells exactly on 9
 boards (``warmup.reading_target``). That phase trains on batches of 32 demonstrations: at batch 8
 the plateau before reading varied from ~600 steps to never ending within the 3,000-step cap,
 depending on the machine's floating-point path and the initialisation; at 32 it ends within
-1,000-1,800 steps on every machine and initialisation we tried (``tools/reading_plateau.py``), at
-about 4x the cost per step.
+1,000-1,800 steps for each of three initialisations on the VM where 8 never did (measured there
+only; ``tools/reading_plateau.py`` checks a machine), at about 4x the cost per step.
 The measurements behind each choice are in ``docs/experiments.md``.
 
 The learning rates and warm-up here are for the tiny preset: with a pretrained preset pass the
