@@ -164,18 +164,35 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.reshape(B, T, H, Hd)
 
 
+def _attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``_attend`` over keys/values in the cache's head-major layout.
+
+    q [B, T, H, Hd]; k, v [B, K, S, Hd]; mask bool [B or 1, T, S] -> [B, T, H, Hd]. Both matmuls are
+    batched over (row, kv head) with the [S, Hd] matrices as they lie in the cache; only the
+    queries (T rows) are regrouped.
+    """
+    B, T, H, Hd = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, T, K, H // K, Hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(Hd)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(B, T, H, Hd)
+
+
 def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
                    block_size: int, cache_block: int = 0) -> jax.Array:
     """Attention of new queries over layer ``layer`` of a KV cache.
 
-    q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, S, K, Hd] -> [B, T, H, Hd];
+    q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, K, S, Hd] -> [B, T, H, Hd];
     query [b, t] sees the slots ``<= positions[b, t]``. A cache longer than one cache block
     (``cache_block``) is read block by block, and only up to the furthest position
     (``_attend_filled``), which also bounds the scores to [B, H, T, cache block]. A shorter one is
     read whole, ``block_size`` queries at a time: a prefill chunk of T tokens would otherwise hold
     [B, H, T, S] float32 scores at once. Decoding (T = 1) is one block.
     """
-    T, S = q.shape[1], cache.k.shape[2]
+    T, S = q.shape[1], cache.max_len
     if S > cache_block_slots(cache_block):
         return _attend_filled(q, cache, layer, positions, cache_block)
     k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
@@ -184,7 +201,7 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     for start in range(0, T, block):
         end = min(start + block, T)
         mask = jnp.arange(S)[None, None, :] <= positions[:, start:end, None]
-        outs.append(_attend(q[:, start:end], k, v, mask))
+        outs.append(_attend_cached(q[:, start:end], k, v, mask))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -206,11 +223,14 @@ def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     The blocks are combined with a running max and sum (the online softmax), so the result equals one
     softmax over the filled slots up to float rounding. Blocks are sliced straight out of the stacked
     cache (a per-layer slice of it would be a copy of the whole layer). q [B, T, H, Hd], positions
-    int32 [B, T]; cache.k, cache.v [L, B, S, K, Hd] -> [B, T, H, Hd].
+    int32 [B, T]; cache.k, cache.v [L, B, K, S, Hd] -> [B, T, H, Hd].
     """
     B, T, H, Hd = q.shape
-    S, K = cache.k.shape[2], cache.k.shape[3]
+    K, S = cache.k.shape[2], cache.k.shape[3]
+    # The fewest blocks of at most ``cache_block`` slots, split evenly (a 96-slot cache is read as 2 x 48,
+    # not as 64 + an overlapping 64): each block is copied out of the cache before its matmuls.
     block = cache_block_slots(cache_block)
+    block = -(-S // -(-S // block))
     qg = q.reshape(B, T, K, H // K, Hd)
     # The last block starts at S - block when S is not a whole number of blocks: it then overlaps the
     # one before, and the slots that block already counted are masked out of it below.
@@ -220,18 +240,18 @@ def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     def attend_block(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Hd] float32
         first = jnp.minimum(i * block, S - block)
-        ks = jax.lax.dynamic_slice(cache.k, (layer, 0, first, 0, 0), (1, B, block, K, Hd))[0].astype(q.dtype)
-        vs = jax.lax.dynamic_slice(cache.v, (layer, 0, first, 0, 0), (1, B, block, K, Hd))[0].astype(q.dtype)
+        ks = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, first, 0), (1, B, K, block, Hd))[0].astype(q.dtype)
+        vs = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, first, 0), (1, B, K, block, Hd))[0].astype(q.dtype)
         slots = first + jnp.arange(block)
         # Slots of this block only (an overlapping last block skips what the previous block covered).
         visible = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None, :]
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, ks, preferred_element_type=jnp.float32) / math.sqrt(Hd)
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg, ks, preferred_element_type=jnp.float32) / math.sqrt(Hd)
         scores = jnp.where(visible[:, None, None], scores, low)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         rescale = jnp.exp(m - m_new)
         l = l * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(vs.dtype), vs,
+        acc = acc * rescale[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p.astype(vs.dtype), vs,
                                                     preferred_element_type=jnp.float32)
         return m_new, l, acc
 
@@ -252,8 +272,8 @@ def _causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int,
                    prefix_k: jax.Array | None = None, prefix_v: jax.Array | None = None) -> jax.Array:
     """Causal attention over the T axis, one block of queries at a time.
 
-    q [B, T, H, Hd]; k, v [B, T, K, Hd]; optional prefix_k, prefix_v [B or 1, P, K, Hd] that every
-    query also sees (a shared prompt) -> [B, T, H, Hd]. The block of queries [s, e) attends to the
+    q [B, T, H, Hd]; k, v [B, T, K, Hd]; optional prefix_k, prefix_v [B or 1, K, P, Hd] (the cache's
+    head-major layout) that every query also sees (a shared prompt) -> [B, T, H, Hd]. The block of queries [s, e) attends to the
     prefix and keys [0, e) only: the score blocks above the diagonal, which the causal mask would
     zero anyway, are never computed. Same result as one masked softmax over [T, P + T] (masked
     scores contribute exactly 0); on long teacher-forced rows it does ~(1 + 1/n)/2 of the work with
@@ -263,6 +283,8 @@ def _causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int,
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     P = 0
     if prefix_k is not None:
+        # To the new keys' slot-major [B, P, K, Hd]: one copy of the prefix per call.
+        prefix_k, prefix_v = (jnp.swapaxes(x, 1, 2) for x in (prefix_k, prefix_v))
         P = prefix_k.shape[1]
         shape = (B,) + prefix_k.shape[1:]
         prefix_k = jnp.broadcast_to(prefix_k.astype(q.dtype), shape)

@@ -8,10 +8,14 @@ row's next real token overwrites before any query can see them. Positions within
 call must be distinct (a chunk is `start + arange(C)`); two tokens sent to the same slot leave one
 of them, unspecified which.
 
-The cache is stacked over layers, [L, B, S, K, Hd]. Each layer scatters its new keys/values into
-its slice and then reads the slice back for attention; because the next layer's keys depend on
-that read, XLA orders every read before the next write and updates the buffer in place (checked
-on the compiled decode loop: no per-step copy of the cache).
+The cache is stacked over layers and laid out head-major, [L, B, K, S, Hd]: each (row, kv head)
+is one contiguous [S, Hd] matrix, the operand attention's two matmuls take (scores ``q @ k^T`` and
+``probs @ v``, batched over rows and kv heads). With a slot-major [L, B, S, K, Hd] cache every block
+attention read was transposed into that form first (11% of a SmolLM2 batch-64 decode step on a
+2-core CPU; ``benchmarks/results_vs_tunix.md``); now it is a slice. Each layer scatters its new keys/values into its slice and then
+reads the slice back for attention; because the next layer's keys depend on that read, XLA orders
+every read before the next write and updates the buffer in place (checked on the compiled decode
+loop: no per-step copy of the cache).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from ragen_jax.models.config import ModelConfig
 class KVCache(NamedTuple):
     """Keys and values after RoPE, as a pytree.
 
-    k, v: [layers, batch, max_len, kv_heads, head_dim]
+    k, v: [layers, batch, kv_heads, max_len, head_dim]
     """
 
     k: jax.Array
@@ -34,7 +38,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -44,7 +48,7 @@ class KVCache(NamedTuple):
 class SharedPrefix(NamedTuple):
     """Keys and values (after RoPE) of a prompt that every row of a teacher-forced pass continues.
 
-    k, v: [layers, 1 or batch, prefix_len, kv_heads, head_dim]. Passed as the ``cache`` of
+    k, v: [layers, 1 or batch, kv_heads, prefix_len, head_dim] (the cache's layout). Passed as the ``cache`` of
     ``Decoder.hidden``, it is read-only: the new tokens (at positions ``prefix_len, ...``) attend to
     all of it and causally among themselves, and it comes back unchanged. Built by
     ``Decoder.encode_prefix``; one row of it serves any batch (the prompt is run once).
@@ -55,24 +59,24 @@ class SharedPrefix(NamedTuple):
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero cache; `dtype` defaults to ``cfg.kv_cache_dtype``, else the model's compute dtype.
 
-    Returns KVCache with k, v: [cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim].
+    Returns KVCache with k, v: [cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim].
     """
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got batch={batch}, max_len={max_len}.")
     dtype = jnp.dtype((cfg.kv_cache_dtype or cfg.dtype) if dtype is None else dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def broadcast_cache(cache: KVCache, batch: int) -> KVCache:
-    """A one-row cache (a prompt prefilled once) shared by ``batch`` rows: [L, 1, S, K, Hd] ->
-    [L, batch, S, K, Hd]. A broadcast, not a copy; the rows' own writes then land per row."""
+    """A one-row cache (a prompt prefilled once) shared by ``batch`` rows: [L, 1, K, S, Hd] ->
+    [L, batch, K, S, Hd]. A broadcast, not a copy; the rows' own writes then land per row."""
     if cache.batch != 1:
         raise ValueError(f"broadcast_cache needs a one-row cache, got batch={cache.batch}.")
     return jax.tree.map(lambda x: jnp.broadcast_to(x, x.shape[:1] + (batch,) + x.shape[2:]), cache)
@@ -89,6 +93,7 @@ def write_layer(cache: KVCache, layer: int | jax.Array, positions: jax.Array,
     batch, _ = positions.shape
     slots = jnp.where(positions < 0, cache.max_len, positions)
     rows = jnp.arange(batch)[:, None]
-    k = cache.k.at[layer, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[layer, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+    # Advanced indices split by the kv-head slice: the indexed view is [B, T, K, Hd], like k_new.
+    k = cache.k.at[layer, rows, :, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[layer, rows, :, slots].set(v_new.astype(cache.v.dtype), mode="drop")
     return KVCache(k, v)

@@ -210,10 +210,10 @@ def batch_sharding(x, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Shardings for a KV cache (k, v: [layers, B, S, kv_heads, head_dim]): rows over the batch axes,
+    """Shardings for a KV cache (k, v: [layers, B, kv_heads, S, head_dim]): rows over the batch axes,
     kv heads over 'tensor' (matching the column split of k_proj / v_proj)."""
     return jax.tree.map(
-        lambda a: NamedSharding(mesh, _fit(P(None, BATCH_AXES, None, "tensor", None), np.shape(a), mesh)), cache
+        lambda a: NamedSharding(mesh, _fit(P(None, BATCH_AXES, "tensor", None, None), np.shape(a), mesh)), cache
     )
 
 

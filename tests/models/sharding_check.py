@@ -119,7 +119,7 @@ def run(scan_layers: bool, tie: bool):
 
     cache = init_cache(cfg, BATCH, 16)
     cache_s = jax.device_put(cache, cache_shardings(cache, mesh))
-    assert cache_s.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None), cache_s.k.sharding.spec
+    assert cache_s.k.sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None), cache_s.k.sharding.spec
     lengths_s, keys_s = jax.device_put((lengths, keys), batch_sharding((lengths, keys), mesh))
     decode = jax.jit(decode)  # one compilation per placement: the sampling values are traced
     for sampling in (SamplingConfig.greedy(), SamplingConfig.create(1.0), SamplingConfig.create(0.8, 10, 0.9)):

@@ -207,9 +207,9 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
     ang = np.concatenate([inv_freq, inv_freq]) * 1  # position 1
     k_rot = k * np.cos(ang) + np.concatenate([-k[2:], k[:2]]) * np.sin(ang)
     ck = np.asarray(cache.k)
-    np.testing.assert_allclose(ck[0, 0, 1, 0], k_rot, atol=1e-5)
+    np.testing.assert_allclose(ck[0, 0, 0, 1], k_rot, atol=1e-5)  # [layer, row, kv head, slot]
     for slot in (0, 2, 3):  # position 6 >= max_len and -1 were dropped, not wrapped
-        np.testing.assert_array_equal(ck[0, 0, slot], 0.0)
+        np.testing.assert_array_equal(ck[0, 0, :, slot], 0.0)
 
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         model(jnp.asarray(tokens[0]), jnp.asarray(positions[0]))
@@ -220,7 +220,7 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
 
     # A prompt prefilled once serves several rows: every row sees the same slots.
     shared = broadcast_cache(cache, 3)
-    assert shared.k.shape == (1, 3, 4, 1, 4)
+    assert shared.k.shape == (1, 3, 1, 4, 4)
     for row in range(3):
         np.testing.assert_array_equal(np.asarray(shared.k[0, row]), ck[0, 0])
     with pytest.raises(ValueError, match="one-row cache"):

@@ -333,7 +333,7 @@ def test_inactive_rows_generate_nothing_and_keep_their_cache():
     np.testing.assert_array_equal(np.asarray(out.lengths), [n, 0, 0])
     np.testing.assert_array_equal(np.asarray(out.tokens[1:]), 0)
     # The inactive row's context (slots < start) is unchanged.
-    np.testing.assert_array_equal(np.asarray(out.cache.k[:, 1, :4]), np.asarray(cache.k[:, 1, :4]))
+    np.testing.assert_array_equal(np.asarray(out.cache.k[:, 1, :, :4]), np.asarray(cache.k[:, 1, :, :4]))
 
 
 def test_first_token_frequencies_match_model_softmax():
