@@ -11,11 +11,11 @@ of them, unspecified which.
 The cache is stacked over layers and laid out head-major, [L, B, K, S, Hd]: each (row, kv head)
 is one contiguous [S, Hd] matrix, the operand attention's two matmuls take (scores ``q @ k^T`` and
 ``probs @ v``, batched over rows and kv heads). With a slot-major [L, B, S, K, Hd] cache every block
-attention read was transposed into that form first (11% of a SmolLM2 batch-64 decode step on a
-2-core CPU; ``benchmarks/results_vs_tunix.md``); now it is a slice. Each layer scatters its new keys/values into its slice and then
-reads the slice back for attention; because the next layer's keys depend on that read, XLA orders
-every read before the next write and updates the buffer in place (checked on the compiled decode
-loop: no per-step copy of the cache).
+that attention read was transposed into that form first (11% of a SmolLM2 batch-64 decode step on
+a 2-core CPU); now a block is a contiguous slice (``benchmarks/results_vs_tunix.md``). Each layer
+scatters its new keys/values into its slice and then reads the slice back for attention; because
+the next layer's keys depend on that read, XLA orders every read before the next write and updates
+the buffer in place (checked on the compiled decode loop: no per-step copy of the cache).
 """
 from __future__ import annotations
 
