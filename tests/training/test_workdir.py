@@ -69,7 +69,7 @@ def test_changed_run_config_is_refused_naming_every_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_training_workdir(_config(tmp_path, **{"env.size": 3, "seed": 7, "starpo.actor_lr": 1e-4}))
     msg = str(e.value)
-    for fragment in ("env.size: 4 -> 3", "seed: 0 -> 7", "starpo.actor_lr: 0.0005 -> 0.0001",
+    for fragment in ("env.size: 4 -> 3", "seed: 0 -> 7", "starpo.actor_lr: 0.00025 -> 0.0001",
                      "trainer.total_steps"):
         assert fragment in msg, (fragment, msg)
     # The saved config is left as it was: it still describes the checkpoints on disk.
