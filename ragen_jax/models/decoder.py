@@ -147,37 +147,22 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, head_major: bool = False) -> jax.Array:
     """Softmax attention with kv-head groups.
 
-    q [B, T, H, Hd]; k, v [B, S, K, Hd]; mask bool [B or 1, T, S] (True = may attend) -> [B, T, H, Hd].
-    Scores and softmax are float32 whatever the compute dtype.
+    q [B, T, H, Hd]; k, v [B, S, K, Hd], or [B, K, S, Hd] with ``head_major`` (the KV cache's layout,
+    whose [S, Hd] matrices the two matmuls then take as they lie); mask bool [B or 1, T, S] (True = may
+    attend) -> [B, T, H, Hd]. Scores and softmax are float32 whatever the compute dtype.
     """
     B, T, H, Hd = q.shape
-    K = k.shape[2]
+    kv = "bksd" if head_major else "bskd"
+    K = k.shape[1 if head_major else 2]
     q = q.reshape(B, T, K, H // K, Hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(Hd)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(Hd)
     # A finite fill keeps a fully-masked row (a query at a negative position) NaN-free.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, H, Hd)
-
-
-def _attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """``_attend`` over keys/values in the cache's head-major layout.
-
-    q [B, T, H, Hd]; k, v [B, K, S, Hd]; mask bool [B or 1, T, S] -> [B, T, H, Hd]. Both matmuls are
-    batched over (row, kv head) with the [S, Hd] matrices as they lie in the cache; only the
-    queries (T rows) are regrouped.
-    """
-    B, T, H, Hd = q.shape
-    K = k.shape[1]
-    q = q.reshape(B, T, K, H // K, Hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(Hd)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
     return out.reshape(B, T, H, Hd)
 
 
@@ -201,7 +186,7 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     for start in range(0, T, block):
         end = min(start + block, T)
         mask = jnp.arange(S)[None, None, :] <= positions[:, start:end, None]
-        outs.append(_attend_cached(q[:, start:end], k, v, mask))
+        outs.append(_attend(q[:, start:end], k, v, mask, head_major=True))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
