@@ -258,11 +258,12 @@ def _causal_attend(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int,
     """Causal attention over the T axis, one block of queries at a time.
 
     q [B, T, H, Hd]; k, v [B, T, K, Hd]; optional prefix_k, prefix_v [B or 1, K, P, Hd] (the cache's
-    head-major layout) that every query also sees (a shared prompt) -> [B, T, H, Hd]. The block of queries [s, e) attends to the
-    prefix and keys [0, e) only: the score blocks above the diagonal, which the causal mask would
-    zero anyway, are never computed. Same result as one masked softmax over [T, P + T] (masked
-    scores contribute exactly 0); on long teacher-forced rows it does ~(1 + 1/n)/2 of the work with
-    n = T / block_size blocks, and the StarPO update and the BC warm-up spend most of their time here.
+    head-major layout) that every query also sees (a shared prompt) -> [B, T, H, Hd]. The block of
+    queries [s, e) attends to the prefix and keys [0, e) only: the score blocks above the diagonal,
+    which the causal mask would zero anyway, are never computed. Same result as one masked softmax
+    over [T, P + T] (masked scores contribute exactly 0); on long teacher-forced rows it does
+    ~(1 + 1/n)/2 of the work with n = T / block_size blocks, and the StarPO update and the BC warm-up
+    spend most of their time here.
     """
     B, T = q.shape[:2]
     k, v = k.astype(q.dtype), v.astype(q.dtype)
