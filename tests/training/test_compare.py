@@ -119,6 +119,21 @@ def test_report_matches_numpy(tmp_path):
         cmp.summarize(cmp.collect(tmp_path, variants, 3), baseline="nope")
 
 
+def test_vs_warmup_pairs_each_variant_with_its_own_warmup(tmp_path):
+    """A variant that changes what the warm-up depends on (here a larger group) has its own warm-up:
+    its "vs warm-up" is paired against that one, not against the first variant's."""
+    variants = cmp.parse_variants("base:filter.value=1.0,g8:rollout.group_size=8")
+    timing = [[1, 9.0, 9.0, 1.0], [2, 1.0, 1.0, 1.0]]
+    base_warm, base_final = [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]  # +0.25 over its warm-up
+    g8_warm, g8_final = [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]  # -0.25 over its own warm-up
+    _fake_run(tmp_path / "base" / "seed0", 0, [(0, np.array(base_warm)), (2, np.array(base_final))], timing)
+    _fake_run(tmp_path / "g8" / "seed0", 0, [(0, np.array(g8_warm)), (2, np.array(g8_final))], timing)
+    rows = {r["variant"]: r for r in cmp.summarize(cmp.collect(tmp_path, variants, 1))["rows"]}
+    assert rows["base"]["vs_warmup"]["diff"] == pytest.approx(0.25)
+    assert rows["g8"]["vs_warmup"]["diff"] == pytest.approx(-0.25)  # against base's warm-up it would be +0.25
+    assert rows["g8"]["vs_baseline"]["diff"] == pytest.approx(0.0)
+
+
 def _base_config():
     from tests.training.test_trainer import small_config_dict
 
