@@ -6,12 +6,13 @@
 
 Every run is the config file with the command line's ``--config.*`` overrides, then one variant's
 overrides (``key=value`` joined by ``+``; an optional ``label:`` in front names the row), and seed
-``config.seed + i`` for ``i < --seeds`` (a variant that sets ``seed`` itself counts from its own). All runs share one behaviour-cloning warm-up
-(``warmup.cache_dir``, default ``<out>/warmup_cache``): it is computed by the first run and
-restored by the others, so the runs differ only in what the variant changes after it, and in the
-RL seed. A variant that changes what the warm-up depends on (the ``model``, ``env``, ``rollout`` or
-``warmup`` sections, e.g. ``rollout.group_size``) gets a warm-up of its own, cached the same way,
-and its "against the warm-up" column below pairs it with that one. Runs are executed seed by seed (every variant once, then every variant again, ...) in
+``config.seed + i`` for ``i < --seeds`` (a variant that sets ``seed`` itself counts from its own).
+All runs share one behaviour-cloning warm-up (``warmup.cache_dir``, default ``<out>/warmup_cache``):
+it is computed by the first run and restored by the others, so the runs differ only in what the
+variant changes after it, and in the RL seed. A variant that changes what the warm-up depends on
+(the ``model``, ``env``, ``rollout`` or ``warmup`` sections, e.g. ``rollout.group_size``) gets a
+warm-up of its own, cached the same way, and its "against the warm-up" column below pairs it with
+that one. Runs are executed seed by seed (every variant once, then every variant again, ...) in
 ``<out>/<variant>/seed<i>``; a run that finished is not run again, one that was interrupted
 resumes from its checkpoint — re-running the command continues a comparison.
 
@@ -299,8 +300,8 @@ def summarize(results: dict[str, list[RunResult]], baseline: str | None = None) 
     # validated at step 0 stands for a variant without a step-0 validation of its own. One that
     # changes what the warm-up depends on (the rollout's group layout, the model, ...) has its own
     # warm-up and is paired against that.
-    before_rl = (_mean_over_seeds(runs, 0) for runs in results.values() if runs)
-    shared_warmup = next((p for p in before_rl if p is not None), None)
+    before_rl = {label: _mean_over_seeds(runs, 0) for label, runs in results.items() if runs}
+    shared_warmup = next((p for p in before_rl.values() if p is not None), None)
     rows = []
     for label, runs in results.items():
         if not runs:
@@ -310,8 +311,7 @@ def summarize(results: dict[str, list[RunResult]], baseline: str | None = None) 
         seconds = np.asarray([r.step_seconds() for r in runs])
         kept = [float(r.timing[:, 3].mean()) for r in runs if len(r.timing)]
         puzzles = _mean_over_seeds(runs)
-        own_warmup = _mean_over_seeds(runs, 0)
-        warmup_puzzles = own_warmup if own_warmup is not None else shared_warmup
+        warmup_puzzles = before_rl[label] if before_rl[label] is not None else shared_warmup
         row = {
             "variant": label, "seeds": len(runs), "steps": [r.steps for r in runs],
             "final": mean_se(finals), "best": mean_se(best),

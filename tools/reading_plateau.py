@@ -35,22 +35,20 @@ def main(argv=None) -> None:
     out = flags.DEFINE_string("out", None, "Also write the readings to this JSON file.")
 
     def run(_):
-        from ragen_jax.config import resolve
+        from ragen_jax.config import ConfigError, resolve
         from ragen_jax.training.run import setup
         from ragen_jax.training.warmup import run_warmup
 
         cfg = launch._CONFIG.value
-        if cfg is None:
-            print("Configuration error: --config is required, e.g. --config configs/frozen_lake.py", file=sys.stderr)
-            sys.exit(2)
-        launch.start(cfg)
-        with launch.user_errors():
+        with launch.user_errors():  # each problem: one "Configuration error: ..." line, exit status 2
+            if cfg is None:
+                raise ConfigError("--config is required, e.g. --config configs/frozen_lake.py")
+            launch.start(cfg)
             spec = resolve(cfg)
-        w = spec.warmup
-        if not (w.single_turn_steps and w.reading_target > 0):
-            print("Configuration error: the config has no first-turn phase with a reading target: set "
-                  "--config.warmup.single_turn_steps and --config.warmup.reading_target", file=sys.stderr)
-            sys.exit(2)
+            w = spec.warmup
+            if not (w.single_turn_steps and w.reading_target > 0):
+                raise ConfigError("the config has no first-turn phase with a reading target: set "
+                                  "--config.warmup.single_turn_steps and --config.warmup.reading_target")
         built = setup(spec)
         readings, t0 = [], time.time()
 
