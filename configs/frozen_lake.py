@@ -33,7 +33,7 @@ def get_config():
     c = base.get_config()
     c.workdir = "runs/frozen_lake"
     c.env = base.ConfigDict(dict(name="frozen_lake", size=4, p=0.9, success_rate=1.0,
-                                 observation_format="grid"))
+                                 observation_format="grid", expert_reasoning="after_move"))
 
     c.model.preset = "tiny"
     c.model.tiny.hidden_size = 64

@@ -291,7 +291,8 @@ class FrozenLake(Environment):
     """RAGEN's FrozenLake: random valid maps, slippery moves, text renders.
 
     Static (shapes / tables): ``size``, ``observation_format``, ``grid_lookup``, ``grid_vocab``,
-    ``is_slippery``, ``map_candidates``. Traced: ``FrozenLakeParams(p, success_rate,
+    ``is_slippery``, ``map_candidates``; ``expert_reasoning`` picks the warm-up expert's reasoning
+    text (ours, not the original's: it has no expert; see ``expert.frozen_lake_reasoning``). Traced: ``FrozenLakeParams(p, success_rate,
     max_steps_in_episode)``; ``default_params()`` gives RAGEN's class defaults ``p=0.9``,
     ``success_rate=0.8`` and a cap of 100 steps (Gymnasium's 4×4 limit; RAGEN's agent loop stops
     earlier through its own action budget). ``is_slippery=False`` makes every move the intended one
@@ -314,6 +315,7 @@ class FrozenLake(Environment):
         grid_vocab: Mapping[str, str] | None = None,
         is_slippery: bool = True,
         map_candidates: int = 4,
+        expert_reasoning: str = "after_move",
     ):
         if not isinstance(size, (int, np.integer)) or size < 2 or size > 30:
             raise ValueError(
@@ -325,6 +327,10 @@ class FrozenLake(Environment):
         self.size = int(size)
         self.is_slippery = bool(is_slippery)
         self.map_candidates = int(map_candidates)
+        if expert_reasoning not in frozen_lake_expert.EXPERT_REASONING:
+            raise ValueError(f"FrozenLake: expert_reasoning={expert_reasoning!r} must be one of "
+                             f"{frozen_lake_expert.EXPERT_REASONING} (the warm-up expert's reasoning text)")
+        self.expert_reasoning = expert_reasoning
         self.grid_lookup, self.grid_vocab = _validate_lookup(grid_lookup, grid_vocab)
         self.observation_format = self.check_format(observation_format)
         self._init_render()

@@ -1,5 +1,5 @@
 """FrozenLake's expert: the shortest path around the holes (BFS), and the warm-up's plan (its
-moves, a sentence naming the player's and the goal's cells and the hole the move steers clear of).
+moves, a sentence naming the player's and the goal's cells and the holes around the player).
 Action indices are the env's (Gymnasium's order): 0 Left, 1 Down, 2 Right, 3 Up.
 """
 from __future__ import annotations
@@ -77,8 +77,21 @@ def frozen_lake_shortest_path(desc_or_grid, start: Sequence[int], goal: Sequence
     return None
 
 
-def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None) -> str:
-    """Where the player and goal are, and which neighbouring hole the chosen move steers clear of."""
+EXPERT_REASONING = ("after_move", "before_move")
+
+
+def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None, style: str = "after_move") -> str:
+    """The expert's reasoning for one turn: where the player and goal are, and the holes around the player.
+
+    ``after_move``: "...; moving Down avoids the hole at (1, 2)." when a hole is next to the player,
+    else "...; moving Down gets closer." The hole comes after the move, so a policy that imitates it
+    has chosen its move before it names the hole.
+    ``before_move``: "...; hole at (1, 2); moving Down." / "...; holes at (1, 2), (2, 3); moving Down." /
+    "...; no hole near; moving Down.": every hole next to the player, named before the move, and a
+    clause in every reply (so RL can make it right or wrong, not drop it).
+    """
+    if style not in EXPERT_REASONING:
+        raise ValueError(f"frozen_lake_reasoning: style {style!r} is not one of {EXPERT_REASONING}")
     pos, goal = np.asarray(pos), np.asarray(goal)
     moves = np.array([[0, -1], [1, 0], [0, 1], [-1, 0]])  # FrozenLake: Left, Down, Right, Up
     text = f"The player is at {cell_text(pos)} and the goal at {cell_text(goal)}"
@@ -86,6 +99,11 @@ def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None) -> st
         return text + "."
     size = holes.shape[0]
     near = [pos + d for d in moves if 0 <= (pos + d)[0] < size and 0 <= (pos + d)[1] < size and holes[tuple(pos + d)]]
+    if style == "before_move":
+        if not near:
+            return text + f"; no hole near; moving {first}."
+        cells = ", ".join(cell_text(c) for c in near)
+        return text + f"; {'hole' if len(near) == 1 else 'holes'} at {cells}; moving {first}."
     if near:
         return text + f"; moving {first} avoids the hole at {cell_text(near[0])}."
     return text + f"; moving {first} gets closer."
@@ -94,4 +112,5 @@ def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None) -> st
 def plan(env, s, params) -> Plan:
     """The shortest path from host state ``s`` and the sentence about the cells around it."""
     answers = [env.action_names[int(a)] for a in frozen_lake_shortest_path(s.holes, tuple(s.pos), tuple(s.goal)) or []]
-    return Plan(answers, lambda given: frozen_lake_reasoning(s.pos, s.goal, s.holes, given[0] if given else None))
+    return Plan(answers, lambda given: frozen_lake_reasoning(s.pos, s.goal, s.holes, given[0] if given else None,
+                                                             env.expert_reasoning))
