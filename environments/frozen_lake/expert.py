@@ -86,9 +86,11 @@ def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None, style
     ``after_move``: "...; moving Down avoids the hole at (1, 2)." when a hole is next to the player,
     else "...; moving Down gets closer." The hole comes after the move, so a policy that imitates it
     has chosen its move before it names the hole.
-    ``before_move``: "...; hole at (1, 2); moving Down." / "...; holes at (1, 2), (2, 3); moving Down." /
-    "...; no hole near; moving Down.": every hole next to the player, named before the move, and a
-    clause in every reply (so RL can make it right or wrong, not drop it).
+    ``before_move``: "..., hole at (1, 2); moving Down." / "..., holes at (1, 2), (2, 3); moving Down." /
+    "..., no hole near; moving Down.": every hole next to the player, named before the move, and a
+    clause in every reply (so RL can make it right or wrong, not drop it). The holes are part of the
+    description before the first ``;``, so the warm-up's reading check (``make_reading_check``)
+    also waits for the model to read them off the board.
     """
     if style not in EXPERT_REASONING:
         raise ValueError(f"frozen_lake_reasoning: style {style!r} is not one of {EXPERT_REASONING}")
@@ -101,9 +103,9 @@ def frozen_lake_reasoning(pos, goal, holes: np.ndarray, first: str | None, style
     near = [pos + d for d in moves if 0 <= (pos + d)[0] < size and 0 <= (pos + d)[1] < size and holes[tuple(pos + d)]]
     if style == "before_move":
         if not near:
-            return text + f"; no hole near; moving {first}."
+            return text + f", no hole near; moving {first}."
         cells = ", ".join(cell_text(c) for c in near)
-        return text + f"; {'hole' if len(near) == 1 else 'holes'} at {cells}; moving {first}."
+        return text + f", {'hole' if len(near) == 1 else 'holes'} at {cells}; moving {first}."
     if near:
         return text + f"; moving {first} avoids the hole at {cell_text(near[0])}."
     return text + f"; moving {first} gets closer."

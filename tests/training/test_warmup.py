@@ -412,12 +412,12 @@ def test_before_move_reasoning_names_every_adjacent_hole_before_the_move():
     holes = np.zeros((4, 4), bool)
     holes[1, 0] = holes[2, 1] = holes[3, 3] = True
     assert (frozen_lake_reasoning((1, 1), (0, 3), holes, "Up", "before_move")
-            == "The player is at (1, 1) and the goal at (0, 3); holes at (1, 0), (2, 1); moving Up.")
+            == "The player is at (1, 1) and the goal at (0, 3), holes at (1, 0), (2, 1); moving Up.")
     holes[1, 0] = False
     assert (frozen_lake_reasoning((1, 1), (0, 3), holes, "Up", "before_move")
-            == "The player is at (1, 1) and the goal at (0, 3); hole at (2, 1); moving Up.")
+            == "The player is at (1, 1) and the goal at (0, 3), hole at (2, 1); moving Up.")
     assert (frozen_lake_reasoning((0, 0), (0, 3), holes, "Right", "before_move")
-            == "The player is at (0, 0) and the goal at (0, 3); no hole near; moving Right.")
+            == "The player is at (0, 0) and the goal at (0, 3), no hole near; moving Right.")
     with pytest.raises(ValueError, match="before_move"):
         frozen_lake_reasoning((0, 0), (0, 3), holes, "Right", "holes_first")
 
@@ -434,7 +434,7 @@ def test_expert_reasoning_reaches_the_warmup_plan_and_leaves_old_caches_valid():
     holes[3, 2] = True
     plan = env.expert(SimpleNamespace(pos=np.array([3, 3]), goal=np.array([0, 0]), holes=holes), params)
     assert plan.answers[0] == "Up"  # Left is the hole; the BFS path goes up first
-    assert plan.reasoning(plan.answers) == "The player is at (3, 3) and the goal at (0, 0); hole at (3, 2); moving Up."
+    assert plan.reasoning(plan.answers) == "The player is at (3, 3) and the goal at (0, 0), hole at (3, 2); moving Up."
     with pytest.raises(ValueError, match="expert_reasoning"):
         environments.make("frozen_lake", expert_reasoning="first")
     # The key's default (the text every earlier cache was trained on) leaves the fingerprint as it was
