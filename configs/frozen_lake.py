@@ -32,8 +32,10 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.workdir = "runs/frozen_lake"
+    # The expert's reasoning names every hole next to the player before its move (``before_move``; the
+    # first version named one after the move, and StarPO then wore that clause away: docs/experiments.md).
     c.env = base.ConfigDict(dict(name="frozen_lake", size=4, p=0.9, success_rate=1.0,
-                                 observation_format="grid", expert_reasoning="after_move"))
+                                 observation_format="grid", expert_reasoning="before_move"))
 
     c.model.preset = "tiny"
     c.model.tiny.hidden_size = 64
@@ -49,13 +51,12 @@ def get_config():
     c.rollout.group_size = 4
     c.rollout.max_turns = 3  # 3 turns × 2 actions: every 4×4 map's shortest path fits
     c.rollout.max_actions_per_traj = 6
-    c.rollout.max_new_tokens = 40
+    c.rollout.max_new_tokens = 56  # a reply naming 3 holes and 2 moves is 53 tokens
     c.rollout.context_mode = "limited"
     c.rollout.context_window = 1  # the current turn only (see the docstring)
-    # The whole transcript: system prompt (120 tokens) + 3 turns of (user block <= ~85 + reply <= 40
-    # + close); the longest expert conversation is 498 tokens, a random policy's 532. (With the
-    # one-turn window, the KV cache and the update's per-turn rows hold 304 tokens.)
-    c.rollout.max_seq_len = 544
+    # The whole transcript: system prompt (120 tokens) + 3 turns of (user block <= ~85 + reply <= 56
+    # + close).
+    c.rollout.max_seq_len = 592
     c.rollout.max_words = 30
 
     c.starpo.adv_estimator = "grpo"
@@ -77,7 +78,7 @@ def get_config():
     c.collapse.num_samples = 8
     c.collapse.compute_freq = 5
     c.collapse.micro_batch_size = 32
-    c.collapse.max_reasoning_tokens = 40
+    c.collapse.max_reasoning_tokens = 56
 
     c.trainer.total_steps = 200  # the time limit usually ends the run first
     c.trainer.eval_every = 25

@@ -24,6 +24,11 @@ from configs import frozen_lake
 def get_config():
     c = frozen_lake.get_config()
     c.workdir = "runs/frozen_lake_collapse"
+    # The expert text and reply lengths this config's collapse was measured with.
+    c.env.expert_reasoning = "after_move"
+    c.rollout.max_new_tokens = 40
+    c.rollout.max_seq_len = 544
+    c.collapse.max_reasoning_tokens = 40
     c.starpo.actor_lr = 2.5e-3
     c.starpo.lr_schedule = "constant"
     c.filter.value = 1.0

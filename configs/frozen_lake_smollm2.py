@@ -23,6 +23,7 @@ def get_config():
     c.rollout.group_size = 4
     c.rollout.max_new_tokens = 48
     c.rollout.max_seq_len = 1024
+    c.env.expert_reasoning = "after_move"  # the text its figures were measured with
 
     c.starpo.actor_lr = 2e-4
     c.starpo.mini_batch_size = 16

@@ -325,7 +325,8 @@ def summarize(results: dict[str, list[RunResult]], baseline: str | None = None) 
             "curve": _curve(runs),
         }
         rows.append(row)
-    base_step = next(r["step_s"][0] for r in rows if r["variant"] == baseline)
+    # The baseline may not have finished a run yet (the report is rewritten after every run).
+    base_step = next((r["step_s"][0] for r in rows if r["variant"] == baseline), None)
     for row in rows:
         row["step_time_saved"] = 1.0 - row["step_s"][0] / base_step if base_step else math.nan
     return {"baseline": baseline, "rows": rows}
@@ -369,7 +370,8 @@ def markdown(report: dict, title: str) -> str:
             f"| `{r['variant']}` | {r['seeds']} | {'/'.join(map(str, steps))} | {_pm(r['before_rl'])} | "
             f"{_pm(r['final'])} | {_pm(r['best'])} | {_paired(r['vs_baseline'])} | {_paired(r['vs_warmup'])} | "
             f"{_pm(r['step_s'], 2)} ({r['rollout_s'][0]:.2f} + {r['update_s'][0]:.2f}) | "
-            f"{r['step_time_saved']:+.0%} | {_pm(r['kept'], 2)} |")
+            f"{'—' if math.isnan(r['step_time_saved']) else format(r['step_time_saved'], '+.0%')} | "
+            f"{_pm(r['kept'], 2)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -52,8 +52,8 @@ def config(workdir: str, steps: int, mesh: tuple[int, int, int]):
     c.compilation_cache_dir = ""
     c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                              head_dim=8))
-    c.rollout.update(dict(num_groups=4, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
-                          max_seq_len=400))
+    c.rollout.update(dict(num_groups=4, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=56,
+                          max_seq_len=432))
     c.starpo.update(dict(adv_estimator="gae", critic="separate", use_kl_loss=True, mini_batch_size=4))
     c.filter.update(dict(value=1.0, include_zero=True))
     c.collapse.update(dict(compute_freq=1, num_samples=4, micro_batch_size=8))

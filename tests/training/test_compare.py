@@ -134,6 +134,21 @@ def test_vs_warmup_pairs_each_variant_with_its_own_warmup(tmp_path):
     assert rows["g8"]["vs_baseline"]["diff"] == pytest.approx(0.0)
 
 
+def test_report_before_the_baseline_has_run(tmp_path):
+    """The report is rewritten after every run: with ``--baseline`` naming a variant that has not
+    finished a run yet, the finished ones are reported with no baseline pairing (it used to stop the
+    comparison with a StopIteration before the baseline ran)."""
+    variants = cmp.parse_variants("recipe:filter.value=0.9,grpo:filter.value=1.0")
+    timing = [[1, 9.0, 9.0, 1.0], [2, 1.0, 2.0, 0.5]]
+    _fake_run(tmp_path / "recipe" / "seed0", 0, [(0, np.array([1.0, 0.0])), (2, np.array([1.0, 1.0]))], timing)
+    report = cmp.write_report(tmp_path, variants, 1, baseline="grpo")
+    (row,) = report["rows"]
+    assert row["variant"] == "recipe" and row["vs_baseline"] is None
+    assert row["vs_warmup"]["diff"] == pytest.approx(0.5)
+    assert math.isnan(row["step_time_saved"])
+    assert "| — |" in (tmp_path / "comparison.md").read_text()
+
+
 def _base_config():
     from tests.training.test_trainer import small_config_dict
 

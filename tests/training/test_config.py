@@ -33,7 +33,7 @@ def test_presets_and_defaults():
     assert _resolve(cfg).starpo.actor_lr == 5e-5
     fl = _resolve(frozen_lake.get_config())
     assert fl.env_param_kwargs == {"p": 0.9, "success_rate": 1.0}
-    assert fl.env_kwargs == {"size": 4, "observation_format": "grid"}
+    assert fl.env_kwargs == {"size": 4, "observation_format": "grid", "expert_reasoning": "before_move"}
     b = _resolve(bandit.get_config())
     assert b.rollout.max_turns == 1
     # RAGEN's payouts, listed so that --config.env.* can change them

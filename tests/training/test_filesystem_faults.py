@@ -108,7 +108,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_checkpoints_stay_intact(s
 SMALL = {"model.tiny.hidden_size": 32, "model.tiny.intermediate_size": 64, "model.tiny.num_layers": 1,
          "model.tiny.num_heads": 2, "model.tiny.num_kv_heads": 1, "model.tiny.head_dim": 16,
          "rollout.num_groups": 2, "rollout.group_size": 2, "rollout.max_turns": 2, "rollout.max_actions_per_traj": 4,
-         "rollout.max_new_tokens": 40, "rollout.max_seq_len": 400, "starpo.mini_batch_size": 4,
+         "rollout.max_new_tokens": 56, "rollout.max_seq_len": 432, "starpo.mini_batch_size": 4,
          "collapse.num_samples": 4, "collapse.micro_batch_size": 8, "warmup.single_turn_steps": 1, "warmup.steps": 2,
          "warmup.batch_size": 4, "warmup.num_states": 4, "warmup.heldout_states": 8, "eval.num_episodes": 2,
          "trainer.total_steps": 30, "trainer.save_every": 1, "trainer.keep_checkpoints": 30,

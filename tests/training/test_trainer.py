@@ -25,8 +25,8 @@ def small_config_dict(workdir, total_steps, **over):
     c.workdir = str(workdir)
     c.model.tiny.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                              head_dim=16))
-    c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=40,
-                          max_seq_len=400))
+    c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=56,
+                          max_seq_len=432))
     c.starpo.mini_batch_size = 4
     c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
     c.warmup.update(dict(single_turn_steps=1, steps=2, batch_size=4, num_states=4, heldout_states=8))
