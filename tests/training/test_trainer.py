@@ -256,13 +256,13 @@ def test_max_seq_len_that_cuts_episodes_is_logged_and_warned(tmp_path, capsys):
     (an untrained model solves none in one turn), logged as train/truncated = 1 and warned once."""
     from ragen_jax.training.trainer import train
 
-    spec = small_config(tmp_path, total_steps=2, **{"rollout.max_seq_len": 320, "trainer.eval_every": 0,
+    spec = small_config(tmp_path, total_steps=2, **{"rollout.max_seq_len": 336, "trainer.eval_every": 0,
                                                     "trainer.eval_before_train": False, "warmup.steps": 0,
                                                     "warmup.single_turn_steps": 0})
     train(spec)
     out = capsys.readouterr().out
     assert out.count("of the episodes were cut short") == 1, out
-    assert "rollout.max_seq_len=320" in out
+    assert "rollout.max_seq_len=336" in out
     events = read_events(tmp_path / "tensorboard")
     assert [v for _, v in events["train/truncated"]] == [1.0, 1.0]
     assert all(v == 1.0 for _, v in events["train/num_turns"])

@@ -437,9 +437,10 @@ def test_expert_reasoning_reaches_the_warmup_plan_and_leaves_old_caches_valid():
     assert plan.reasoning(plan.answers) == "The player is at (3, 3) and the goal at (0, 0), hole at (3, 2); moving Up."
     with pytest.raises(ValueError, match="expert_reasoning"):
         environments.make("frozen_lake", expert_reasoning="first")
-    # The key's default (the text every earlier cache was trained on) leaves the fingerprint as it was
-    # before the key existed; the other value changes it.
+    # The environment's default (the text every earlier cache was trained on) leaves the fingerprint
+    # as it was before the key existed; the other value changes it.
     config = frozen_lake.get_config()
+    config.env.expert_reasoning = "after_move"
     with_default = fingerprint(config)
     del config.env["expert_reasoning"]
     assert fingerprint(config) == with_default
