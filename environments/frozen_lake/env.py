@@ -292,10 +292,10 @@ class FrozenLake(Environment):
 
     Static (shapes / tables): ``size``, ``observation_format``, ``grid_lookup``, ``grid_vocab``,
     ``is_slippery``, ``map_candidates``; ``expert_reasoning`` picks the warm-up expert's reasoning
-    text (ours, not the original's: it has no expert; see ``expert.frozen_lake_reasoning``). Traced: ``FrozenLakeParams(p, success_rate,
-    max_steps_in_episode)``; ``default_params()`` gives RAGEN's class defaults ``p=0.9``,
-    ``success_rate=0.8`` and a cap of 100 steps (Gymnasium's 4×4 limit; RAGEN's agent loop stops
-    earlier through its own action budget). ``is_slippery=False`` makes every move the intended one
+    text (ours, not the original's: it has no expert; see ``expert.frozen_lake_reasoning``).
+    Traced: ``FrozenLakeParams(p, success_rate, max_steps_in_episode)``; ``default_params()`` gives
+    RAGEN's class defaults ``p=0.9``, ``success_rate=0.8`` and a cap of 100 steps (Gymnasium's 4×4
+    limit; RAGEN's agent loop stops earlier through its own action budget). ``is_slippery=False`` makes every move the intended one
     whatever ``success_rate`` says (Gymnasium's meaning of the flag).
 
     Actions: 0 Left, 1 Down, 2 Right, 3 Up (RAGEN's ids 1..4 minus one); anything else is an

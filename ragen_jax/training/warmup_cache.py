@@ -33,9 +33,8 @@ from ragen_jax.training.workdir import config_as_json
 # Keys that do not change what the warm-up computes (where it is stored, how often it logs).
 _IGNORED = ("cache_dir", "log_every")
 _EVAL_IGNORED = ("write_transcripts", "checkpoint_step")
-_MODEL_KEYS_ADDED = ("kv_cache_dtype",)
-# Env keys added after caches were written, with the value that reproduces the old behaviour.
-_ENV_KEYS_ADDED = {"expert_reasoning": "after_move"}
+# Keys added to a section after caches were written, with the value that reproduces the old behaviour.
+_KEYS_ADDED = {"model": {"kv_cache_dtype": None}, "env": {"expert_reasoning": "after_move"}}
 
 
 class CachedWarmup(NamedTuple):
@@ -56,12 +55,12 @@ def fingerprint(config) -> str:
 
     c = config_as_json(config)
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
-    # A model or env key added after caches were written is left out at its old behaviour's value,
-    # so those caches stay valid; any other value is part of the key.
+    # A key added after caches were written is left out at its old behaviour's value, so those caches
+    # stay valid; any other value is part of the key.
+    model, env = ({k: v for k, v in c[name].items() if not (k in _KEYS_ADDED[name] and v == _KEYS_ADDED[name][k])}
+                  for name in ("model", "env"))
     # The API keys (a remote policy) never reach a warm-up.
-    model = {k: v for k, v in c["model"].items()
-             if not (k in _MODEL_KEYS_ADDED and v is None) and k not in ModelSection.API_KEYS}
-    env = {k: v for k, v in c["env"].items() if not (k in _ENV_KEYS_ADDED and v == _ENV_KEYS_ADDED[k])}
+    model = {k: v for k, v in model.items() if k not in ModelSection.API_KEYS}
     payload = {"version": ragen_jax.__version__, "model": model, "env": env, "rollout": c["rollout"],
                "warmup": warmup}
     if c["model"].get("lora_rank"):

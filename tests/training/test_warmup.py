@@ -423,11 +423,10 @@ def test_before_move_reasoning_names_every_adjacent_hole_before_the_move():
 
 
 def test_expert_reasoning_reaches_the_warmup_plan_and_leaves_old_caches_valid():
-    import environments
-    from ragen_jax.training.warmup_cache import fingerprint
-    from configs import frozen_lake
-
     from types import SimpleNamespace
+
+    from configs import frozen_lake
+    from ragen_jax.training.warmup_cache import fingerprint
 
     env, params = environments.make_with_params("frozen_lake", size=4, expert_reasoning="before_move")
     holes = np.zeros((4, 4), bool)
