@@ -10,6 +10,8 @@ trainer lays it out (``config.mesh`` default: data parallel), FrozenLake, RAGEN'
 to ``--max_new_tokens``: the rollout is measured at its full length. Reports
 
   * rollout: sampled tokens/s and env turns/s (compilation excluded: the first call is not timed);
+  * rollout memory-bandwidth utilisation: decode's bytes (weights + the filled KV cache, each step)
+    against the bandwidth of a device copy measured in the same run;
   * update: one GRPO update on that batch (scoring pass + 2 mini-batches of forward and backward),
     tokens/s and model FLOPs utilisation against the measured bf16 matmul peak of the device;
   * peak device memory (``memory_stats``; on CPU the compiled programs' own figures).
@@ -47,6 +49,16 @@ def matmul_peak(dtype=jnp.bfloat16, n: int = 8192, repeats: int = 5) -> float:
     f(a).block_until_ready()
     best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
     return 2 * n ** 3 / best
+
+
+def copy_bandwidth(megabytes: int = 2048, repeats: int = 5) -> float:
+    """Bytes/s of one large device-to-device copy (read + written; best of ``repeats``)."""
+    n = (megabytes if jax.devices()[0].platform != "cpu" else 64) * 2**20 // 4
+    a = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)  # an elementwise pass: one read and one write of every byte
+    f(a).block_until_ready()
+    best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
+    return 2 * n * 4 / best
 
 
 def _timed(fn) -> float:
@@ -114,7 +126,6 @@ def main():
     traj = rollout(state.params, key)  # compiles
     jax.block_until_ready(traj)
     t_roll = min(_timed(lambda: jax.block_until_ready(rollout(state.params, key))) for _ in range(args.repeats))
-    traj = rollout(state.params, key)
     sampled = float(jnp.sum(traj.loss_mask))
     turns = float(jnp.sum(traj.num_turns))
     tokens = float(jnp.sum(traj.valid_mask))
@@ -130,7 +141,17 @@ def main():
     t_upd = min(times)
 
     peak = matmul_peak()
+    bandwidth = copy_bandwidth()
     mean_len = tokens / traj.tokens.shape[0]
+    # Decode's bytes: every step reads all weights and the KV cache up to the current position (the
+    # sampler reads only the filled blocks), on average half the final length; every row decodes all
+    # ``max_new_tokens`` of every turn (random weights never stop early). Prefill and the environment
+    # are in the rollout time too, so this is a lower bound on decode's own bandwidth use.
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    kv_item = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype).itemsize
+    kv_bytes = 2 * cfg.num_layers * traj.tokens.shape[0] * cfg.num_kv_heads * cfg.head_dim * kv_item * mean_len / 2
+    decode_steps = spec.rollout.max_turns * spec.rollout.max_new_tokens
+    decode_bytes = decode_steps * (param_bytes + kv_bytes)
     # Update: one scoring forward of every token + forward and backward (2x) of every trained token.
     upd_flops = 4 * tokens * model_flops_per_token(cfg, mean_len / 2)
     roll_flops = sampled * model_flops_per_token(cfg, mean_len / 2)
@@ -150,10 +171,13 @@ def main():
         f"| rollout sampled tokens/s | {sampled / t_roll:,.0f} |",
         f"| rollout env turns/s | {turns / t_roll:,.0f} |",
         f"| rollout model FLOPs utilisation | {roll_flops / t_roll / peak:.1%} |",
+        f"| rollout memory-bandwidth utilisation (decode reads: weights + filled KV cache, lower bound) "
+        f"| {decode_bytes / t_roll / bandwidth:.1%} |",
         f"| update time (GRPO, 2 mini-batches) | {t_upd:.2f} s |",
         f"| update tokens/s | {tokens / t_upd:,.0f} |",
         f"| update model FLOPs utilisation | {upd_flops / t_upd / peak:.1%} |",
         f"| measured bf16 matmul peak | {peak / 1e12:.1f} TFLOP/s |",
+        f"| measured memory bandwidth (device copy, bytes read + written) | {bandwidth / 1e9:,.0f} GB/s |",
         f"| peak device memory | {f'{mem / 2**30:.1f} GiB' if mem else 'n/a (CPU)'} |",
         f"| wall time of this check | {time.time() - t_start:.0f} s |",
         "",
