@@ -20,7 +20,8 @@
 # then copy the folder next to the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python="${PYTHON:-python}"
+# $PYTHON, else `python`, else `python3` (images often ship only the latter).
+python="${PYTHON:-$(command -v python || command -v python3)}"
 wheels="${1:-wheels}"
 [ $# -gt 0 ] && shift
 
