@@ -85,7 +85,8 @@ def table(buckets: dict[str, dict[str, float]]) -> tuple[list[str], dict[str, fl
 
 def mean_over_steps(per_step: dict[int, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Every bucket's metrics averaged over the analysed steps where it held episodes (an empty bucket
-    reports zeros, which are not measurements); its share of the episodes over all the steps."""
+    reports zeros, which are not measurements); its share of the episodes over all the steps; its
+    reward-std range over the steps (the lowest min, the highest max)."""
     sums: dict[str, dict[str, list[float]]] = {}
     for buckets in per_step.values():
         for name, metrics in buckets.items():
@@ -95,7 +96,8 @@ def mean_over_steps(per_step: dict[int, dict[str, dict[str, float]]]) -> dict[st
             for metric, value in metrics.items():
                 if metric != "sample_pct":
                     sums[name].setdefault(metric, []).append(value)
-    return {n: {k: sum(v) / len(v) for k, v in ms.items()} for n, ms in sums.items()}
+    combine = {"reward_std_min": min, "reward_std_max": max}  # the range over the steps, not a mean of ranges
+    return {n: {k: combine.get(k, lambda v: sum(v) / len(v))(v) for k, v in ms.items()} for n, ms in sums.items()}
 
 
 def report(run_dir: str | Path, prefilter: bool = False, steps: list[int] | None = None) -> str:

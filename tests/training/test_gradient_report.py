@@ -57,8 +57,8 @@ def test_tables_per_step_and_mean(run_dir):
     mean = rows(text, "## Mean over the 2 analysed steps (1, 11)")
     # q1: measured at step 1 only (empty at 11): task 0.1; its episode share (50% + 0%) / 2.
     assert mean["q1"][2:4] == ["25%", "0.1"]
-    # q2: task (0.3 + 0.5) / 2 = 0.4, std (4 + 6) / 2 = 5; share 0.4 / (0.1 + 0.4) = 80%.
-    assert mean["q2"][1:4] == ["5 (5–5)", "75%", "0.4"]
+    # q2: task (0.3 + 0.5) / 2 = 0.4, std (4 + 6) / 2 = 5 ranging 4–6; share 0.4 / (0.1 + 0.4) = 80%.
+    assert mean["q2"][1:4] == ["5 (4–6)", "75%", "0.4"]
     assert mean["q2"][-1] == "80%"
 
 
