@@ -28,6 +28,11 @@ def small_config_dict(workdir, total_steps, **over):
     c.rollout.update(dict(num_groups=2, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=56,
                           max_seq_len=432))
     c.starpo.mini_batch_size = 4
+    # GRPO on one rollout a step, the main job's earlier recipe: the trainer tests stay fast and their
+    # series comparable across versions (tools/series_check.py). GiGPO + dynamic sampling through the
+    # trainer: tests/training/test_toolbox_trainer.py.
+    c.starpo.update(dict(adv_estimator="grpo", entropy_coeff=0.001))
+    c.filter.dynamic_sampling_rounds = 0
     c.collapse.update(dict(compute_freq=2, num_samples=4, micro_batch_size=8))
     c.warmup.update(dict(single_turn_steps=1, steps=2, batch_size=4, num_states=4, heldout_states=8))
     c.eval.num_episodes = 2
