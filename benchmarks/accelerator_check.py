@@ -82,17 +82,21 @@ def run_part(args: list[str], timeout: float, env: dict | None = None) -> tuple[
     return code, text, time.time() - start
 
 
+def plan_command(preset: str, extra: list[str]) -> list[str]:
+    """``python -m ragen_jax.plan`` with the README's planner flags for ``preset``."""
+    return [sys.executable, "-m", "ragen_jax.plan", *PLAN_FLAGS, f"--config.model.preset={preset}", *extra]
+
+
 def start_cpu_plans(presets: list[str], extra: list[str], folder: Path) -> dict[str, tuple[subprocess.Popen, float]]:
     """Start the CPU planner of every preset at once, in the background: it never touches the device, so
-    on an accelerator machine it runs on the host's cores beside part 1 instead of after it."""
+    on an accelerator machine it runs on the host's cores beside part 1 instead of after it. Each writes
+    ``<preset>.cpu.json`` and its output to ``<preset>.cpu.log`` in ``folder``."""
     procs = {}
     for preset in presets:
-        flags = [*PLAN_FLAGS, f"--config.model.preset={preset}", *extra]
-        log = open(folder / f"{preset}.cpu.log", "w")
-        procs[preset] = (subprocess.Popen([sys.executable, "-m", "ragen_jax.plan", *flags,
-                                           f"--json={folder / f'{preset}.cpu.json'}"],
-                                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "JAX_PLATFORMS": "cpu"}), time.time())
+        with open(folder / f"{preset}.cpu.log", "w") as log:  # the child keeps its own handle
+            procs[preset] = (subprocess.Popen([*plan_command(preset, extra), f"--json={folder / f'{preset}.cpu.json'}"],
+                                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "JAX_PLATFORMS": "cpu"}), time.time())
     return procs
 
 
@@ -113,10 +117,8 @@ def plan_rows(presets: list[str], extra: list[str], cpu_plans: dict, folder: Pat
     """Table rows (CPU planner, device compiler, measured) and the raw outputs."""
     rows, raw = [], []
     for preset in presets:
-        flags = [*PLAN_FLAGS, f"--config.model.preset={preset}", *extra]
         cpu_json, dev_json = folder / f"{preset}.cpu.json", folder / f"{preset}.device.json"
-        c2, t2, s2 = run_part([sys.executable, "-m", "ragen_jax.plan", *flags, "--measure", f"--json={dev_json}"],
-                              deadline - time.time())
+        c2, t2, s2 = run_part([*plan_command(preset, extra), "--measure", f"--json={dev_json}"], deadline - time.time())
         c1, t1, s1 = wait_cpu_plan(*cpu_plans[preset], folder / f"{preset}.cpu.log", deadline)
         raw.append(f"### {preset}: CPU planner ({s1:.0f} s, in the background, exit {c1})\n\n```\n{t1.strip()}\n```\n\n"
                    f"### {preset}: on the device (`--measure`, {s2:.0f} s, exit {c2})\n\n```\n{t2.strip()}\n```\n")

@@ -58,8 +58,8 @@ def collect(run_dir: str | Path, prefilter: bool = False) -> dict[int, dict[str,
     return out
 
 
-def table(buckets: dict[str, dict[str, float]]) -> tuple[list[str], dict[str, float]]:
-    """Markdown rows for one step (or a mean over steps), and each bucket's task share."""
+def table(buckets: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown rows for one step (or a mean over steps)."""
     names = sorted(buckets, key=_bucket_key)
     has_kl = any("kl" in m for m in buckets.values())
     total = sum(buckets[n].get("task", 0.0) for n in names if n != "all")
@@ -80,7 +80,7 @@ def table(buckets: dict[str, dict[str, float]]) -> tuple[list[str], dict[str, fl
         if has_kl:
             row += f" {m.get('kl', 0.0):.3g} |"
         rows.append(row + (" |" if n == "all" else f" {shares[n]:.0%} |"))
-    return rows, shares
+    return rows
 
 
 def mean_over_steps(per_step: dict[int, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -110,10 +110,10 @@ def report(run_dir: str | Path, prefilter: bool = False, steps: list[int] | None
     which = "the whole rollout batch (before the SNR filter)" if prefilter else "what the SNR filter kept"
     lines = [f"# Gradient analysis of {run_dir}: {which}", ""]
     for step in sorted(per_step):
-        lines += [f"## Step {step}", "", *table(per_step[step])[0], ""]
+        lines += [f"## Step {step}", "", *table(per_step[step]), ""]
     if len(per_step) > 1:
         lines += [f"## Mean over the {len(per_step)} analysed steps ({', '.join(map(str, sorted(per_step)))})", "",
-                  *table(mean_over_steps(per_step))[0], ""]
+                  *table(mean_over_steps(per_step)), ""]
     return "\n".join(lines)
 
 
