@@ -78,7 +78,9 @@ def run_part(args: list[str], timeout: float, env: dict | None = None) -> tuple[
                              env={**os.environ, **(env or {})})
         code, text = out.returncode, out.stdout + (f"\n{out.stderr[-3000:]}" if out.returncode else "")
     except subprocess.TimeoutExpired as e:
-        code, text = 124, f"timed out after {timeout:.0f} s\n{(e.stdout or b'')[-2000:]!r}"
+        # What the part printed before it was stopped says where the time went (its progress lines).
+        tail = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else (b or ""))[-2000:]  # noqa: E731
+        code, text = 124, f"timed out after {timeout:.0f} s\n{tail(e.stdout)}\n{tail(e.stderr)}"
     return code, text, time.time() - start
 
 

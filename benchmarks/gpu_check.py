@@ -61,6 +61,11 @@ def copy_bandwidth(megabytes: int = 2048, repeats: int = 5) -> float:
     return 2 * n * 4 / best
 
 
+def progress(message: str, start: float) -> None:
+    """One line on stderr per phase, so a run stopped by a time limit still says where the time went."""
+    print(f"gpu_check: {time.time() - start:6.1f} s  {message}", file=sys.stderr, flush=True)
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -89,7 +94,7 @@ def build(shape: str, max_new_tokens: int | None):
     cfg = ModelConfig.from_hf_config(hf, dtype="bfloat16", param_dtype="bfloat16", scan_layers=True)
     from flax import nnx
 
-    model = placement.create(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    model = placement.create(lambda rngs: Decoder(cfg, rngs=rngs), seed=0)
     env, env_params = build_env(spec)
     tokenizer = load_tiny_tokenizer()
     graphdefs, state = init_train_state(model, spec.starpo, key=jax.random.key(1))
@@ -122,23 +127,28 @@ def main():
 
     t_start = time.time()
     spec, cfg, state, rollout, update = build(args.shape, args.max_new_tokens)
+    progress("model, state and programs built", t_start)
     key = jax.random.key(0)
     traj = rollout(state.params, key)  # compiles
     jax.block_until_ready(traj)
+    progress("rollout compiled and run once", t_start)
     t_roll = min(_timed(lambda: jax.block_until_ready(rollout(state.params, key))) for _ in range(args.repeats))
     sampled = float(jnp.sum(traj.loss_mask))
     turns = float(jnp.sum(traj.num_turns))
     tokens = float(jnp.sum(traj.valid_mask))
     copy = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s))
     fresh = copy(state)
+    progress(f"rollout timed: {t_roll:.2f} s", t_start)
     new_state, metrics = update(fresh, traj)  # compiles
     jax.block_until_ready(new_state)
+    progress("update compiled and run once", t_start)
     times = []
     for _ in range(args.repeats):
         fresh = copy(state)
         jax.block_until_ready(fresh)
         times.append(_timed(lambda: jax.block_until_ready(update(fresh, traj))))
     t_upd = min(times)
+    progress(f"update timed: {t_upd:.2f} s", t_start)
 
     peak = matmul_peak()
     bandwidth = copy_bandwidth()

@@ -100,15 +100,19 @@ class _Programs:
         mode = spec.starpo.critic_mode
         graphdefs = {}
 
-        def build():
-            policy = Decoder(cfg, rngs=nnx.Rngs(0))
-            critic = {"shared": lambda: ValueHead(cfg, rngs=nnx.Rngs(1)),
-                      "separate": lambda: Critic(cfg, rngs=nnx.Rngs(1))}.get(mode, lambda: None)()
-            graphdefs["g"], state = init_train_state(policy, spec.starpo, key=jax.random.key(0), critic=critic)
+        def build(key):
+            """The train state with random weights from ``key``. The key is an argument, never a
+            constant: XLA's GPU compiler would fold constant-keyed initialisers at compile time."""
+            policy = Decoder(cfg, rngs=nnx.Rngs(key))
+            critic = {"shared": lambda: ValueHead(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 1))),
+                      "separate": lambda: Critic(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 1)))
+                      }.get(mode, lambda: None)()
+            graphdefs["g"], state = init_train_state(policy, spec.starpo, key=jax.random.fold_in(key, 2),
+                                                     critic=critic)
             return state
 
         self.build = build
-        self.shapes = jax.eval_shape(build)
+        self.shapes = jax.eval_shape(build, jax.random.key(0))
         self.shardings = placement.state_shardings(self.shapes)
         self.state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.shapes,
                                   self.shardings)
@@ -183,8 +187,8 @@ def measure(compiled) -> dict[str, float | None]:
         values = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
         return max(values) if values else None
 
-    state = jax.jit(programs.build, out_shardings=programs.shardings)()
     key = jax.device_put(jax.random.key(0), placement.replicated)
+    state = jax.jit(programs.build, out_shardings=programs.shardings)(key)
     traj = jax.block_until_ready(rollout_exe(state.params, key, None))
     after_rollout = peak()
     state, _ = update_exe(state, traj)

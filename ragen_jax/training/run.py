@@ -81,7 +81,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
         critic = Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2))
     elif mode == "separate":
         # Created in its shards, then started from the same pretrained checkpoint as the policy.
-        critic = placement.create(lambda: Critic(critic_cfg, rngs=nnx.Rngs(spec.seed + 2)))
+        critic = placement.create(lambda rngs: Critic(critic_cfg, rngs=rngs), seed=spec.seed + 2)
         critic.init_trunk_from(merge_lora(model))
     # Every leaf owns its buffer (init_train_state copies them): the update donates its input state.
     graphdefs, train_state = init_train_state(model, spec.starpo, key=jax.random.key(spec.seed + 1), critic=critic)
