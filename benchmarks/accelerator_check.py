@@ -70,6 +70,12 @@ def missing_requirements() -> list[str]:
     return missing
 
 
+def _text_tail(output: bytes | str | None, chars: int = 2000) -> str:
+    """The last ``chars`` of a stopped child's output (``TimeoutExpired`` hands it over as bytes)."""
+    text = output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+    return text[-chars:]
+
+
 def run_part(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
     """``(exit status, stdout + stderr tail, seconds)`` of one part; a timeout is status 124."""
     start = time.time()
@@ -79,8 +85,7 @@ def run_part(args: list[str], timeout: float, env: dict | None = None) -> tuple[
         code, text = out.returncode, out.stdout + (f"\n{out.stderr[-3000:]}" if out.returncode else "")
     except subprocess.TimeoutExpired as e:
         # What the part printed before it was stopped says where the time went (its progress lines).
-        tail = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else (b or ""))[-2000:]  # noqa: E731
-        code, text = 124, f"timed out after {timeout:.0f} s\n{tail(e.stdout)}\n{tail(e.stderr)}"
+        code, text = 124, f"timed out after {timeout:.0f} s\n{_text_tail(e.stdout)}\n{_text_tail(e.stderr)}"
     return code, text, time.time() - start
 
 

@@ -133,12 +133,12 @@ def main():
     jax.block_until_ready(traj)
     progress("rollout compiled and run once", t_start)
     t_roll = min(_timed(lambda: jax.block_until_ready(rollout(state.params, key))) for _ in range(args.repeats))
+    progress(f"rollout timed: {t_roll:.2f} s", t_start)
     sampled = float(jnp.sum(traj.loss_mask))
     turns = float(jnp.sum(traj.num_turns))
     tokens = float(jnp.sum(traj.valid_mask))
     copy = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s))
     fresh = copy(state)
-    progress(f"rollout timed: {t_roll:.2f} s", t_start)
     new_state, metrics = update(fresh, traj)  # compiles
     jax.block_until_ready(new_state)
     progress("update compiled and run once", t_start)
