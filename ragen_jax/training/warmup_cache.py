@@ -34,7 +34,7 @@ from ragen_jax.training.workdir import config_as_json
 _IGNORED = ("cache_dir", "log_every")
 _EVAL_IGNORED = ("write_transcripts", "checkpoint_step")
 # Keys added to a section after caches were written, with the value that reproduces the old behaviour.
-_KEYS_ADDED = {"model": {"kv_cache_dtype": None}, "env": {"expert_reasoning": "after_move"}}
+_KEYS_ADDED = {"model": {"kv_cache_dtype": None, "matmul_dtype": None}, "env": {"expert_reasoning": "after_move"}}
 
 
 class CachedWarmup(NamedTuple):

@@ -227,6 +227,38 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
         broadcast_cache(shared, 2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_layer_scatters_rows_into_their_slots_like_numpy(dtype):
+    """``write_layer`` (jitted; a bfloat16 cache is written through its uint16 bits) equals NumPy
+    assignment of the values rounded to the cache dtype: each row's tokens land in its own slots of
+    the chosen layer, positions past the end and negative ones are dropped, nothing else changes."""
+    import ml_dtypes
+
+    from ragen_jax.models.kv_cache import write_layer
+
+    cfg = ModelConfig(vocab_size=13, hidden_size=8, intermediate_size=16, num_layers=3, num_heads=2,
+                      num_kv_heads=2, head_dim=4, kv_cache_dtype=dtype)
+    rng = np.random.default_rng(7)
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    k0 = rng.normal(size=(3, 2, 2, 5, 4)).astype(np_dtype)  # [L, B, K, S, Hd]
+    v0 = rng.normal(size=(3, 2, 2, 5, 4)).astype(np_dtype)
+    cache = init_cache(cfg, 2, 5)._replace(k=jnp.asarray(k0), v=jnp.asarray(v0))
+    positions = np.array([[4, 0, 7], [-1, 2, 3]], np.int32)
+    k_new = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)  # [B, T, K, Hd]
+    v_new = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+    out = jax.jit(write_layer, static_argnums=1)(cache, 1, jnp.asarray(positions), jnp.asarray(k_new),
+                                                 jnp.asarray(v_new))
+    assert out.k.dtype == jnp.dtype(dtype) and out.v.dtype == jnp.dtype(dtype)
+    want_k, want_v = k0.copy(), v0.copy()
+    for b in range(2):
+        for t in range(3):
+            if 0 <= positions[b, t] < 5:
+                want_k[1, b, :, positions[b, t]] = k_new[b, t].astype(np_dtype)
+                want_v[1, b, :, positions[b, t]] = v_new[b, t].astype(np_dtype)
+    np.testing.assert_array_equal(np.asarray(out.k).astype(np.float32), want_k.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(out.v).astype(np.float32), want_v.astype(np.float32))
+
+
 def test_scan_and_loop_agree_from_same_rngs():
     cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, model_type="qwen2", qkv_bias=True)
@@ -268,6 +300,34 @@ def test_bf16_compute_keeps_float32_logits(qwen2):
     # bf16 has an 8-bit mantissa: logits of size ~1 agree to a few 1e-2, not better.
     assert float(jnp.max(jnp.abs(l16 - l32))) < 0.1
     assert float(jnp.max(jnp.abs(l32))) > 0.1  # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_bfloat16_matmuls_match_transformers_with_rounded_operands(family, qwen2, llama):
+    """``matmul_dtype='bfloat16'`` (float32 compute, bf16 weights): logits equal a float32 transformers
+    model whose parameters and Linear inputs are rounded to bfloat16 (``ref.bf16_matmul_copy``), whole
+    sequence and token by token through the cache, and differ from the unrounded model by far more."""
+    torch_model = qwen2 if family == "qwen2" else llama
+    cfg, model = _ours(torch_model, param_dtype="bfloat16", matmul_dtype="bfloat16")
+    assert cfg.compute_dtype == jnp.float32 and cfg.matmul_operand_dtype == jnp.bfloat16
+    tokens, positions = _tokens(2, 9, cfg.vocab_size, seed=5), _arange(2, 9)
+    mixed_ref = ref.torch_logits(ref.bf16_matmul_copy(torch_model), tokens)
+    exact_ref = ref.torch_logits(torch_model, tokens)
+    run = _jitted(model)
+    whole, _ = run(tokens, positions)
+    cache, steps = init_cache(cfg, 2, 9), []
+    assert cache.k.dtype == jnp.float32  # the cache follows the compute dtype, not the matmuls'
+    for t in range(9):
+        logits, cache = run(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        steps.append(logits)
+    for ours in (np.asarray(whole), np.concatenate([np.asarray(x) for x in steps], axis=1)):
+        assert ours.dtype == np.float32
+        # Rounding to bf16 at the matmul inputs can flip one ulp where the two sides' float32
+        # activations straddle a rounding boundary (seen: 1e-4 at most, 1e-7 typical).
+        err = np.abs(ours - mixed_ref).max()
+        assert err < 3e-4, err
+        # The rounding really happens: the unrounded model is ~2.5e-3 or more away.
+        assert np.abs(ours - exact_ref).max() > 5 * max(err, 3e-4)
 
 
 def test_value_head_and_critic(qwen2):
@@ -313,6 +373,8 @@ def test_config_errors():
         ModelConfig(**base)
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig(**{**base, "num_heads": 2, "dtype": "float16"})
+    with pytest.raises(ValueError, match="matmul_dtype='float32' is wider than dtype='bfloat16'"):
+        ModelConfig(**{**base, "num_heads": 2, "dtype": "bfloat16", "matmul_dtype": "float32"})
     with pytest.raises(ValueError, match="unknown ModelConfig field"):
         ModelConfig(**{**base, "num_heads": 2}).replace(scan=True)
 

@@ -54,6 +54,28 @@ def torch_logits(model, tokens: np.ndarray, positions: np.ndarray | None = None)
         return model(input_ids=ids, position_ids=pos).logits.float().numpy()
 
 
+def bf16_matmul_copy(model) -> torch.nn.Module:
+    """A float32 copy of ``model`` computed as bfloat16-operand matmuls with float32 results: every
+    parameter rounded to bfloat16 (kept in float32), and every ``nn.Linear`` (projections, MLP, LM head)
+    rounding its input to bfloat16 first. A product of two bfloat16 numbers is exact in float32, so
+    float32 matmuls of the rounded values are bfloat16 matmuls accumulated in float32; everything else
+    (norms, RoPE, softmax, residual adds) stays float32."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+    def round_input(_module, args):
+        return (args[0].to(torch.bfloat16).float(),) + tuple(args[1:])
+
+    for module in out.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_input)
+    return out
+
+
 def torch_greedy(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
     """Greedy continuation ids [B, new_tokens] with transformers' own generate (its own KV cache)."""
     with torch.no_grad():

@@ -36,6 +36,12 @@ def test_presets_and_defaults():
     assert fl.env_kwargs == {"size": 4, "observation_format": "grid", "expert_reasoning": "before_move"}
     b = _resolve(bandit.get_config())
     assert b.rollout.max_turns == 1
+    # The model's knobs reach its ModelConfig (mixed precision: bf16 matmul operands, float32 compute).
+    from ragen_jax.plan import model_config
+    cfg = frozen_lake.get_config()
+    cfg.model.matmul_dtype = "bfloat16"
+    mc = model_config(_resolve(cfg))
+    assert (mc.dtype, mc.matmul_dtype, str(mc.matmul_operand_dtype)) == ("float32", "bfloat16", "bfloat16")
     # RAGEN's payouts, listed so that --config.env.* can change them
     assert b.env_param_kwargs == {"lo_arm_score": 0.1, "hi_arm_loscore": 0.0, "hi_arm_hiscore": 1.0,
                                   "hi_arm_hiscore_prob": 0.25}
@@ -61,6 +67,8 @@ def test_pretrained_presets_use_original_learning_rates(tmp_path):
     (lambda c: setattr(c.env, "name", "minesweeper"), ["env.name", "frozen_lake", "sokoban"]),
     (lambda c: setattr(c, "mode", "serve"), ["mode", "train", "eval"]),
     (lambda c: setattr(c.model, "dtype", "float16"), ["model.dtype", "bfloat16"]),
+    (lambda c: (setattr(c.model, "dtype", "bfloat16"), setattr(c.model, "matmul_dtype", "float32")),
+     ["model.matmul_dtype='float32'", "--config.model.matmul_dtype=bfloat16"]),
     (lambda c: setattr(c.eval, "temperature", -1.0), ["eval.temperature"]),
     (lambda c: setattr(c.rollout, "context_mode", "window"), ["context_mode='window'", "'limited'", "'full'"]),
     # Settings that would train on nothing while the run "succeeds": refused at start-up.

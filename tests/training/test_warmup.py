@@ -233,6 +233,32 @@ def test_single_turn_phase_trains_on_first_turns_then_conversations(setup, monke
     assert all(jax.tree.leaves(changed))
 
 
+def test_bfloat16_weights_train_with_float32_adam_moments(setup):
+    """With bfloat16 weights the warm-up's AdamW keeps float32 moments (``in_float32``): a bfloat16
+    second moment underflowed to 0 and made the first update inf (the final loss was NaN). The first
+    step moves every weight by about lr (Adam's first update is lr * g / (|g| + eps)), rounded to bfloat16."""
+    tok, graphdef, params, rollout, env, ep = setup
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    cfg = ConfigDict(dict(steps=0, single_turn_steps=1, batch_size=2, lr=1e-3, num_states=4, action_noise=0.0,
+                          seed=1, log_every=1))
+    one, summary = warmup_lib.run_warmup(rollout, params16, cfg, progress=False)
+    assert np.isfinite(summary["warmup/final_loss"])
+    moved = 0
+    for before, after in zip(jax.tree.leaves(params16), jax.tree.leaves(one)):
+        assert after.dtype == jnp.bfloat16
+        step = np.abs(np.asarray(after, np.float32) - np.asarray(before, np.float32))
+        assert np.all(np.isfinite(step))
+        # lr = 1e-3 (the schedule's first step may be lower, never higher), plus the rounding of the
+        # result to bfloat16 (at most one spacing, 2^-7 of the larger magnitude).
+        scale = np.maximum(np.abs(np.asarray(before, np.float32)), np.abs(np.asarray(after, np.float32)))
+        assert np.all(step <= 1e-3 + scale * 2 ** -7 + 1e-6)
+        moved += int(np.count_nonzero(step))
+    assert moved > 0
+    cfg = ConfigDict(dict(cfg, single_turn_steps=4))
+    _, summary = warmup_lib.run_warmup(rollout, params16, cfg, progress=False)
+    assert np.isfinite(summary["warmup/final_loss"])
+
+
 def test_described_tokens_cover_the_state_coordinates(setup):
     """``described`` counts the reply tokens that restate the board: all four coordinates, not the decision."""
     tok, graphdef, params, rollout, env, ep = setup
