@@ -320,6 +320,10 @@ class FilterConfig(Section):
     ``dynamic_sampling_rounds`` (DAPO's dynamic sampling; 0 = off): after the rollout, up to this many
     more rollout rounds refill the batch with groups whose rewards differ, until it holds
     ``rollout.num_groups`` of them (uninformative groups fill what is still missing).
+    ``start_replay_fraction`` (unsolved-start replay, a form of Prioritized Level Replay; 0 = off): up to
+    this share of each step's groups replay start states that an earlier group did not solve in every
+    episode, oldest first; a start is replayed at most ``start_replay_max_uses`` times, and the queue
+    keeps the newest ``start_replay_capacity`` (``training.start_replay``).
     """
 
     KEY = "filter"
@@ -334,7 +338,9 @@ class FilterConfig(Section):
     loss_scaling: str = "none"
     empty_stop_steps: int = 5
     dynamic_sampling_rounds: int = 0
-
+    start_replay_fraction: float = 0.0
+    start_replay_max_uses: int = 2
+    start_replay_capacity: int = 256
 
     def __post_init__(self):
         s = "filter"
@@ -348,6 +354,10 @@ class FilterConfig(Section):
         check(isinstance(self.include_zero, bool), f"{s}.include_zero must be True or False.")
         check_int(s, "empty_stop_steps", self.empty_stop_steps, 1)
         check_int(s, "dynamic_sampling_rounds", self.dynamic_sampling_rounds, 0)
+        check_number(s, "start_replay_fraction", self.start_replay_fraction, 0.0, 1.0,
+                     what=" (the share of each step's groups that replay unsolved starts; 0 = off)")
+        check_int(s, "start_replay_max_uses", self.start_replay_max_uses, 1)
+        check_int(s, "start_replay_capacity", self.start_replay_capacity, 1)
         # Settings that would keep no group at all, so every update would be skipped in silence.
         check(not (self.strategy == "top_p" and self.value <= 0),
                f"{s}.value={self.value!r} with {s}.strategy='top_p' keeps no group (the kept share of the reward "

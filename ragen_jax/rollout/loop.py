@@ -192,6 +192,7 @@ class Rollout:
         jit = jax.jit if placement is None else placement.jit
         self._run = jit(self._rollout)
         self._run_from_key = jit(self._rollout_from_key)
+        self._run_from_starts = jit(self._rollout_from_starts)
 
     @property
     def per_turn_rows(self) -> tuple[int, int] | None:
@@ -248,6 +249,22 @@ class Rollout:
         key, forced = self._place(key, forced)
         return self._run_from_key(params, key, forced)
 
+    def from_starts(self, params, group_key_data, sample_key, forced: ForcedReplies | None = None) -> Trajectory:
+        """The step's rollout from chosen group starts: ``group_key_data`` uint32 ``[num_groups, key
+        words]`` (reset-key data, each shared by its group) and ``sample_key``. ``rollout(params, key)``
+        is this with the keys it draws from ``key`` (``training.start_replay`` replaces some)."""
+        c = self.config
+        group_key_data = np.asarray(group_key_data, np.uint32)
+        if group_key_data.ndim != 2 or group_key_data.shape[0] != c.num_groups:
+            raise ValueError(f"from_starts needs reset-key data [num_groups={c.num_groups}, words]; got "
+                             f"shape {group_key_data.shape}")
+        if forced is not None:
+            self._check_forced(forced, c.batch_size)
+        if self.placement is not None:
+            group_key_data = self.placement.put_replicated(group_key_data)
+        sample_key, forced = self._place(sample_key, forced)
+        return self._run_from_starts(params, group_key_data, sample_key, forced)
+
     def run(self, params, env_keys, sample_key, forced: ForcedReplies | None = None) -> Trajectory:
         if self.placement is not None:
             env_keys = self.placement.put_batch(env_keys)
@@ -262,11 +279,17 @@ class Rollout:
 
     def _rollout_from_key(self, params, key, forced):
         """``num_groups`` reset keys (each shared by the ``group_size`` rows of its group) and the
-        sampling key, both drawn from ``key``; then ``_rollout`` (and, with ``greedy_baseline``, a
-        greedy episode per group whose return becomes ``reward_baseline``)."""
-        c = self.config
+        sampling key, both drawn from ``key``; then ``_rollout_groups``."""
         env_key, sample_key = jax.random.split(key)
-        group_keys = jax.random.split(env_key, c.num_groups)
+        return self._rollout_groups(params, jax.random.split(env_key, self.config.num_groups), sample_key, forced)
+
+    def _rollout_from_starts(self, params, group_key_data, sample_key, forced):
+        return self._rollout_groups(params, jax.random.wrap_key_data(group_key_data), sample_key, forced)
+
+    def _rollout_groups(self, params, group_keys, sample_key, forced):
+        """``_rollout`` with each of ``group_keys [G]`` shared by its group's ``group_size`` rows (and,
+        with ``greedy_baseline``, a greedy episode per group whose return becomes ``reward_baseline``)."""
+        c = self.config
         env_keys = jnp.repeat(group_keys, c.group_size, axis=0)
         traj = self._rollout(params, self._constrain(env_keys), sample_key, forced)
         if not c.greedy_baseline or forced is not None:

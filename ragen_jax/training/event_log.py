@@ -338,10 +338,11 @@ def _frame(payload: bytes) -> bytes:
     return header + struct.pack("<I", masked_crc32c(header)) + payload + struct.pack("<I", masked_crc32c(payload))
 
 
-def read_events(log_dir: str | os.PathLike) -> dict[str, list]:
+def read_events(log_dir: str | os.PathLike, text_content: bool = False) -> dict[str, list]:
     """Read every event file under ``log_dir``: ``{tag: [(step, value_or_kind), ...]}``.
 
-    Scalars give their float value; text and images give the strings ``"text"`` / ``"image"``.
+    Scalars give their float value; text and images give the strings ``"text"`` / ``"image"``
+    (``text_content``: a text gives what was written, without TensorBoard's code-block fence).
     """
     from tensorboardX.proto import event_pb2
 
@@ -359,6 +360,9 @@ def read_events(log_dir: str | os.PathLike) -> dict[str, list]:
                     val = "image"
                 elif v.HasField("tensor") or v.metadata.plugin_data.plugin_name == "text":
                     val = "text"
+                    if text_content:
+                        val = b"".join(v.tensor.string_val).decode()
+                        val = val.removeprefix("```\n").removesuffix("\n```")
                 else:
                     continue
                 tag = v.tag[: -len("/text_summary")] if v.tag.endswith("/text_summary") else v.tag

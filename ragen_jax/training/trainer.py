@@ -29,6 +29,7 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
 from ragen_jax.training import dynamic_sampling
+from ragen_jax.training.start_replay import StartReplay, group_solved_program
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
@@ -90,6 +91,7 @@ class HostState:
     # fraction] per step, (step, MI, H(Z|X)) points, the warm-up mark
     history: dict[str, Any]
     summary: dict[str, float]
+    start_replay: StartReplay | None = None  # the unsolved-start queue (``filter.start_replay_fraction``)
 
     @classmethod
     def fresh(cls, spec: RunSpec) -> "HostState":
@@ -100,15 +102,28 @@ class HostState:
                           mi_needs_plateau=t.mi_collapse_needs_plateau)
         history = {"train": [], "val": [], "val_puzzles": [], "timing": [], "quadrant": [], "warmup_val": None,
                    "title": f"{spec.env_name} / {spec.preset}"}
-        return cls(early, history, {})
+        f = spec.filter
+        replay = None
+        if f.start_replay_fraction > 0:
+            words = jax.random.key_data(jax.random.key(0)).shape[-1]
+            replay = StartReplay.empty(f.start_replay_fraction, f.start_replay_max_uses, f.start_replay_capacity, words)
+        return cls(early, history, {}, replay)
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "HostState":
-        return cls(EarlyStop.from_state_dict(meta["early_stop"]), meta["history"], meta.get("summary", {}))
+    def from_meta(cls, meta: dict, spec: RunSpec) -> "HostState":
+        host = cls.fresh(spec)
+        host.early = EarlyStop.from_state_dict(meta["early_stop"])
+        host.history, host.summary = meta["history"], meta.get("summary", {})
+        if host.start_replay is not None and "start_replay" in meta:
+            host.start_replay.load_state_dict(meta["start_replay"])
+        return host
 
     def meta(self, step: int) -> dict:
-        return {"step": step, "early_stop": self.early.state_dict(), "history": self.history,
+        meta = {"step": step, "early_stop": self.early.state_dict(), "history": self.history,
                 "summary": self.summary}
+        if self.start_replay is not None:
+            meta["start_replay"] = self.start_replay.state_dict()
+        return meta
 
 
 @dataclasses.dataclass
@@ -203,7 +218,8 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
         train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
                                                  spec.rollout.group_size, spec.starpo.seq_len_multiple,
                                                  spec.filter.dynamic_sampling_rounds,
-                                                 _analyses_gradients(t.gradient_analysis_every, step))
+                                                 _analyses_gradients(t.gradient_analysis_every, step),
+                                                 host.start_replay)
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
         _log_step(loop, step, metrics, traj)
@@ -233,7 +249,8 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
 
 
 def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0,
-                dynamic_sampling_rounds: int = 0, analyse_gradients: bool = False):
+                dynamic_sampling_rounds: int = 0, analyse_gradients: bool = False,
+                start_replay: StartReplay | None = None):
     """One StarPO iteration: rollout with the current policy, then the compiled update.
 
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
@@ -243,19 +260,25 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     the ``train/*`` statistics stay those of the step's first rollout (the policy as it plays).
     ``analyse_gradients``: run ``run.gradient_analysis`` on the batch before the update (its
     ``grad_norm*/`` metrics join the step's; timed as ``timing_s/gradient_analysis``).
+    ``start_replay``: some groups replay unsolved starts from its queue, and this rollout's unsolved
+    groups join it (``training.start_replay``; logged as ``rollout/replayed_*``).
 
     Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
     """
     t0 = time.time()
     params = policy_params(train_state)
-    traj = run.rollout(params, key)
-    rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     sampling_metrics = {}
+    if start_replay is None:
+        traj = run.rollout(params, key)
+    else:
+        traj, sampling_metrics = _rollout_with_replay(run, params, key, group_size, start_replay)
+    rollout_stats = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
     if dynamic_sampling_rounds:
-        traj, sampling_metrics = dynamic_sampling.refill(run.rollout, params, key, traj, group_size=group_size,
+        traj, refill_metrics = dynamic_sampling.refill(run.rollout, params, key, traj, group_size=group_size,
                                                          max_rounds=dynamic_sampling_rounds, placement=run.placement)
-        if sampling_metrics["rollout/dynamic_sampling_rounds"]:  # the widths of the batch that trains
+        sampling_metrics.update(refill_metrics)
+        if refill_metrics["rollout/dynamic_sampling_rounds"]:  # the widths of the batch that trains
             trained = run.placement.fetch(_episode_statistics(run.placement, group_size)(traj))
             rollout_stats = dict(rollout_stats, **{k: trained[k] for k in ("sequence_length_max", "window_length_max")
                                                    if k in trained})
@@ -287,6 +310,19 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     metrics["timing_s/step"] = t2 - t0
     metrics["timing_s/tokens_per_s"] = float(rollout_stats["sampled_tokens"]) / max(t1 - t0, 1e-9)
     return train_state, traj, metrics
+
+
+def _rollout_with_replay(run: Setup, params, key: jax.Array, group_size: int, replay: StartReplay):
+    """The step's first rollout with some starts from the unsolved-start queue; the rollout's unsolved
+    groups join the queue. -> ``(trajectory, rollout/replayed_* metrics)``."""
+    group_keys, uses, replayed = replay.starts(key, run.rollout.config.num_groups)
+    _, sample_key = jax.random.split(key)  # the sampling key ``rollout(params, key)`` would use
+    traj = run.rollout.from_starts(params, group_keys, sample_key)
+    solved = np.asarray(run.placement.fetch(group_solved_program(run.placement, group_size)(traj)), bool)
+    replay.record(group_keys, uses, solved)
+    return traj, {"rollout/replayed_groups": float(replayed),
+                  "rollout/replayed_groups_solved": float(solved[:replayed].sum()),
+                  "rollout/start_replay_queue": float(len(replay.keys))}
 
 
 def _analyses_gradients(every: int, step: int) -> bool:
@@ -366,7 +402,7 @@ def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
         print(f"resumed from {ckpt.directory}/{step}")
     # Buffers of its own, in the update's layout: the update donates its input state.
     own = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=run.state_shardings)
-    return own(train_state), HostState.from_meta(meta), step
+    return own(train_state), HostState.from_meta(meta, spec), step
 
 
 def _warm_up_and_validate(loop: Loop, train_state):

@@ -147,20 +147,20 @@ def test_export_of_a_workdir_without_checkpoints_says_so(tmp_path):
         run_export(resolve(cfg))
 
 
-def _resume_matches(tmp_path, total, interrupt_at):
+def _resume_matches(tmp_path, total, interrupt_at, **over):
     from ragen_jax.training.trainer import StopTraining, train
 
     a = tmp_path / "a"
-    train(small_config(a, total_steps=total))
+    train(small_config(a, total_steps=total, **over))
     b = tmp_path / "b"
 
     def interrupt(step, metrics):
         if step == interrupt_at:
             raise StopTraining
 
-    first = train(small_config(b, total_steps=total), step_callback=interrupt)
+    first = train(small_config(b, total_steps=total, **over), step_callback=interrupt)
     assert first["stop_reason"] == "interrupted by callback"
-    train(small_config(b, total_steps=total))  # resumes from b/checkpoints/interrupt_at
+    train(small_config(b, total_steps=total, **over))  # resumes from b/checkpoints/interrupt_at
     la, lb = _logged(a), _logged(b)
     assert set(la) == set(lb)
     for key in la:
