@@ -55,7 +55,9 @@ def config(workdir: str, steps: int, mesh: tuple[int, int, int]):
     c.rollout.update(dict(num_groups=4, group_size=2, max_turns=2, max_actions_per_traj=4, max_new_tokens=56,
                           max_seq_len=432))
     c.starpo.update(dict(adv_estimator="gae", critic="separate", use_kl_loss=True, mini_batch_size=4))
-    c.filter.update(dict(value=1.0, include_zero=True))
+    # Half the groups replay unsolved starts (from step 2 on: the untrained policy solves none), so the
+    # layouts and the resumes below also check the replay queue's host state.
+    c.filter.update(dict(value=1.0, include_zero=True, start_replay_fraction=0.5))
     c.collapse.update(dict(compute_freq=1, num_samples=4, micro_batch_size=8))
     c.warmup.update(dict(single_turn_steps=args.warmup, steps=args.warmup, batch_size=4, num_states=4,
                          heldout_states=8))

@@ -124,6 +124,11 @@ def runs(tmp_path_factory):
 
 def test_two_processes_on_an_eight_device_mesh_log_what_one_device_logs(runs):
     _assert_same_metrics(_logged(runs["one"]), _logged(runs["multi"]), (0, 1, 2), "1 device vs 2 processes x 4")
+    # Step 2 replayed 2 of its 4 groups' starts from step 1 (mesh_check's start_replay_fraction=0.5), on
+    # every layout; the resumed step 3 below replays from the queue its checkpoint held.
+    for name in ("one", "multi"):
+        replayed = dict(map(tuple, _logged(runs[name])["rollout/replayed_groups"]))
+        assert (replayed[1], replayed[2]) == (0.0, 2.0), (name, replayed)
     assert "training on mesh data 2 × fsdp 2 × tensor 2 (8 cpu devices over 2 processes)" in runs["multi_out"][0][0]
     # Only process 0 wrote: one TensorBoard file, one summary, and nothing printed by process 1.
     events = os.listdir(runs["dir"] / "multi" / "tensorboard")
