@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ragen_jax.models.config import ModelConfig
-from ragen_jax.models.kv_cache import KVCache, SharedPrefix, init_cache, write_layer
+from ragen_jax.models.kv_cache import KVCache, SharedPrefix, init_cache, stored_values, write_layer
 from ragen_jax.models.sharding import constrain_activations, constrain_embedding_table
 
 __all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
@@ -184,7 +184,7 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     T, S = q.shape[1], cache.max_len
     if S > cache_block_slots(cache_block):
         return _attend_filled(q, cache, layer, positions, cache_block)
-    k, v = cache.k[layer].astype(q.dtype), cache.v[layer].astype(q.dtype)
+    k, v = stored_values(cache.k[layer]).astype(q.dtype), stored_values(cache.v[layer]).astype(q.dtype)
     block = T if block_size <= 0 else block_size
     outs = []
     for start in range(0, T, block):
@@ -229,8 +229,8 @@ def _attend_filled(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     def attend_block(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, Hd] float32
         first = jnp.minimum(i * block, S - block)
-        ks = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, first, 0), (1, B, K, block, Hd))[0].astype(q.dtype)
-        vs = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, first, 0), (1, B, K, block, Hd))[0].astype(q.dtype)
+        ks, vs = (stored_values(jax.lax.dynamic_slice(x, (layer, 0, 0, first, 0), (1, B, K, block, Hd))[0])
+                  .astype(q.dtype) for x in (cache.k, cache.v))
         slots = first + jnp.arange(block)
         # Slots of this block only (an overlapping last block skips what the previous block covered).
         visible = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None, :]

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ragen_jax.models.kv_cache import as_bits, from_bits
+
 Array = jax.Array
 
 # Block size of the two-level inverse-CDF sampler: ~sqrt(vocab) keeps both cumulative sums short.
@@ -167,9 +169,9 @@ def _prefill_in_pieces(model, cache, tokens: Array, start: Array, length: Array,
 
         return jax.lax.cond(jnp.any(length > j * size), run, lambda c: c, carry), None
 
-    init = (jnp.zeros((batch, vocab), jnp.float32), cache)
+    init = (jnp.zeros((batch, vocab), jnp.float32), as_bits(cache))  # bits inside the loop (kv_cache.as_bits)
     (logits, cache), _ = jax.lax.scan(piece, init, jnp.arange(n))
-    return logits, cache
+    return logits, from_bits(cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,7 +500,7 @@ def generate(
     init = _LoopState(
         step=jnp.zeros((), jnp.int32),
         logits=last_logits,
-        cache=cache,
+        cache=as_bits(cache),  # a bfloat16 cache is written as bits inside the loop (kv_cache.as_bits)
         tokens=jnp.full((batch, n_new), pad_id, jnp.int32),
         logprobs=jnp.zeros((batch, n_new), jnp.float32),
         lengths=jnp.zeros((batch,), jnp.int32),
@@ -512,6 +514,6 @@ def generate(
         logprobs=out.logprobs,
         lengths=out.lengths,
         stopped=out.stopped,
-        cache=out.cache,
+        cache=from_bits(out.cache),
         keys=next_keys,
     )

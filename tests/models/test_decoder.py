@@ -227,14 +227,15 @@ def test_cache_slots_hold_rope_keys_and_drop_out_of_range():
         broadcast_cache(shared, 2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_write_layer_scatters_rows_into_their_slots_like_numpy(dtype):
-    """``write_layer`` (jitted; a bfloat16 cache is written through its uint16 bits) equals NumPy
-    assignment of the values rounded to the cache dtype: each row's tokens land in its own slots of
-    the chosen layer, positions past the end and negative ones are dropped, nothing else changes."""
+@pytest.mark.parametrize("dtype,bits", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_write_layer_scatters_rows_into_their_slots_like_numpy(dtype, bits):
+    """``write_layer`` (jitted; a bfloat16 cache is written through its uint16 bits, or held as bits
+    with ``as_bits`` as ``generate`` holds it) equals NumPy assignment of the values rounded to the
+    cache dtype: each row's tokens land in its own slots of the chosen layer, positions past the end
+    and negative ones are dropped, nothing else changes."""
     import ml_dtypes
 
-    from ragen_jax.models.kv_cache import write_layer
+    from ragen_jax.models.kv_cache import as_bits, from_bits, write_layer
 
     cfg = ModelConfig(vocab_size=13, hidden_size=8, intermediate_size=16, num_layers=3, num_heads=2,
                       num_kv_heads=2, head_dim=4, kv_cache_dtype=dtype)
@@ -246,8 +247,14 @@ def test_write_layer_scatters_rows_into_their_slots_like_numpy(dtype):
     positions = np.array([[4, 0, 7], [-1, 2, 3]], np.int32)
     k_new = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)  # [B, T, K, Hd]
     v_new = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+    if bits:
+        cache = as_bits(cache)
+        assert cache.k.dtype == jnp.uint16
     out = jax.jit(write_layer, static_argnums=1)(cache, 1, jnp.asarray(positions), jnp.asarray(k_new),
                                                  jnp.asarray(v_new))
+    if bits:
+        assert out.k.dtype == jnp.uint16
+        out = from_bits(out)
     assert out.k.dtype == jnp.dtype(dtype) and out.v.dtype == jnp.dtype(dtype)
     want_k, want_v = k0.copy(), v0.copy()
     for b in range(2):

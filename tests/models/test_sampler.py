@@ -469,6 +469,7 @@ def test_a_bfloat16_kv_cache_holds_half_the_bytes_and_scores_as_the_full_recompu
     out = jax.jit(generate, static_argnums=9)(
         graph, cache16, last, lengths, np.ones(batch, bool), jax.random.split(jax.random.key(0), batch),
         SamplingConfig.greedy(), np.array([-1], np.int32), NO_SEQS, n)
+    assert out.cache.k.dtype == jnp.bfloat16  # held as uint16 bits inside the loop only (kv_cache.as_bits)
     for b in range(batch):
         seq = list(chunks[b, :lengths[b]])
         for t, tok in enumerate(np.asarray(out.tokens[b])):
