@@ -60,8 +60,9 @@ class ModelConfig:
         it is slower than float32).
       kv_cache_dtype: storage dtype of the KV cache (None = the compute dtype). 'bfloat16' with float32
         compute halves the bytes a decode step reads (decode is bound by reading the cache); keys and
-        values are rounded to bfloat16 when written and read back as the compute dtype. For
-        accelerators: on a CPU, XLA copies the cache at every write (float32 decodes ~3x faster there).
+        values are rounded to bfloat16 when written and read back as the compute dtype. Inside
+        `prefill`'s and `generate`'s loops it is held as uint16 bits (`kv_cache.as_bits`: XLA's CPU
+        backend copies a bfloat16 buffer at every scatter), which makes it as fast as float32 on a CPU.
       scan_layers: stack the layers' weights on a leading [L] axis and run them with `lax.scan`
         (faster compile for deep models on accelerators); False = a Python loop over layers (faster
         decode on CPU). Both give the same numbers.
