@@ -172,6 +172,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="float32 (both sides compute the same float32 model) or bfloat16 (weights rounded to "
                          "bfloat16; vLLM dtype=bfloat16, ours bfloat16 matmul operands with float32 results)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="our KV cache's storage dtype (default: the compute dtype, float32); vLLM's follows --dtype")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -188,6 +190,8 @@ def main(argv=None) -> None:
     from ragen_jax.models.lora import export_hf
 
     mixed = dict(param_dtype="bfloat16", matmul_dtype="bfloat16") if args.dtype == "bfloat16" else {}
+    if args.kv_cache_dtype:
+        mixed["kv_cache_dtype"] = args.kv_cache_dtype
     cfg, model = load_gguf(smollm2_gguf_path(), **mixed)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {str(b): _prompts(b, args.prompt_len, cfg.vocab_size) for b in batches}
@@ -206,6 +210,8 @@ def main(argv=None) -> None:
 
     ours_setup = ("float32" if args.dtype == "float32" else
                   "ours: bfloat16 weights and matmul operands, float32 results; vLLM: dtype=bfloat16")
+    if args.kv_cache_dtype:
+        ours_setup += f"; our KV cache {args.kv_cache_dtype}"
     lines = [f"# ragen_jax vs vLLM: greedy decode on this CPU, SmolLM2-135M ({ours_setup}), same weights and prompts",
              "",
              f"Command: `python benchmarks/vs_vllm.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
