@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from ragen_jax.models.config import ModelConfig
-from ragen_jax.models.kv_cache import KVCache, SharedPrefix, init_cache, stored_values, write_layer
+from ragen_jax.models.kv_cache import (KVCache, SharedPrefix, as_bits, from_bits, init_cache, stored_values,
+                                       write_layer)
 from ragen_jax.models.sharding import constrain_activations, constrain_embedding_table
 
 __all__ = ["Attention", "MLP", "DecoderLayer", "Decoder", "ValueHead", "Critic", "rope_frequencies",
@@ -378,6 +379,12 @@ class Decoder(nnx.Module):
             raise ValueError(f"cache has {cache.k.shape[0]} layers, the model {cfg.num_layers}; "
                              "build it with init_cache(cfg, batch, max_len).")
         positions = positions.astype(jnp.int32)
+        # A bfloat16 cache goes through the layers as its uint16 bits: one bitcast each way per forward
+        # instead of a whole-buffer copy at every layer's write (kv_cache.as_bits). A cache already held
+        # as bits (generate's loop) stays so.
+        to_bits = isinstance(cache, KVCache) and cache.k.dtype == jnp.bfloat16
+        if to_bits:
+            cache = as_bits(cache)
         # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
         # boundary; without one constrain_activations is the identity.
         table = constrain_embedding_table(self.embed_tokens.embedding[...])
@@ -403,7 +410,7 @@ class Decoder(nnx.Module):
                 else:
                     x, cache = layer(x, positions, rope, cache, i)
                 x = constrain_activations(x)
-        return self.norm(x), cache
+        return self.norm(x), from_bits(cache) if to_bits else cache
 
     def encode_prefix(self, tokens: jax.Array) -> tuple[jax.Array, SharedPrefix]:
         """tokens int32 [b, P] (positions 0..P-1) -> (hidden [b, P, D], SharedPrefix of them).
