@@ -144,28 +144,7 @@ class Rollout:
             reward_limit=config.reward_limit,
         )
 
-        # Reply bytes: one extra table row holds the forced prefix's bytes.
-        byte_table, byte_len = codec_lib.token_byte_table(tokenizer)
-        prefix = prompts.forced_prefix(config.enable_think).encode()
-        width = max(byte_table.shape[1], len(prefix))
-        table = np.zeros((byte_table.shape[0] + 1, width), np.uint8)
-        table[:-1, : byte_table.shape[1]] = byte_table
-        table[-1, : len(prefix)] = np.frombuffer(prefix, np.uint8)
-        self.byte_table = jnp.asarray(table)
-        self.byte_len = jnp.asarray(np.concatenate([byte_len, [len(prefix)]]).astype(np.int32))
-        self.prefix_row = byte_table.shape[0]
-        self.reply_bytes = len(prefix) + config.max_new_tokens * byte_table.shape[1]
-        self.vocab = action_vocab(env, self.reply_bytes)
-
-        self.stop_ids = jnp.asarray([self.codec.eot_id], jnp.int32)
-        if config.stop_at_answer:
-            # The closing tag as tokenised alone and after a space (BPE merges the space in); a
-            # reply that closes the tag with another split simply runs on to end-of-turn.
-            seqs = {tuple(codec_lib.encode(tokenizer, s)) for s in ("</answer>", " </answer>")}
-            width = max(len(q) for q in seqs)
-            self.stop_sequences = jnp.asarray([list(q) + [-1] * (width - len(q)) for q in sorted(seqs)], jnp.int32)
-        else:
-            self.stop_sequences = jnp.zeros((0, 0), jnp.int32)
+        self._build_reply_tables(env, tokenizer, config)
 
         preamble = len(self.codec.preamble_ids)
         need = preamble + self.codec.chunk_len + config.max_new_tokens + self.codec.end_len
@@ -193,6 +172,31 @@ class Rollout:
         self._run = jit(self._rollout)
         self._run_from_key = jit(self._rollout_from_key)
         self._run_from_starts = jit(self._rollout_from_starts)
+
+    def _build_reply_tables(self, env, tokenizer, config) -> None:
+        """What parsing and stopping a reply need: the byte table of the reply tokens (one extra row
+        holds the forced prefix's bytes), the action vocabulary, the stop ids and stop sequences."""
+        byte_table, byte_len = codec_lib.token_byte_table(tokenizer)
+        prefix = prompts.forced_prefix(config.enable_think).encode()
+        width = max(byte_table.shape[1], len(prefix))
+        table = np.zeros((byte_table.shape[0] + 1, width), np.uint8)
+        table[:-1, : byte_table.shape[1]] = byte_table
+        table[-1, : len(prefix)] = np.frombuffer(prefix, np.uint8)
+        self.byte_table = jnp.asarray(table)
+        self.byte_len = jnp.asarray(np.concatenate([byte_len, [len(prefix)]]).astype(np.int32))
+        self.prefix_row = byte_table.shape[0]
+        self.reply_bytes = len(prefix) + config.max_new_tokens * byte_table.shape[1]
+        self.vocab = action_vocab(env, self.reply_bytes)
+
+        self.stop_ids = jnp.asarray([self.codec.eot_id], jnp.int32)
+        if config.stop_at_answer:
+            # The closing tag as tokenised alone and after a space (BPE merges the space in); a
+            # reply that closes the tag with another split simply runs on to end-of-turn.
+            seqs = {tuple(codec_lib.encode(tokenizer, s)) for s in ("</answer>", " </answer>")}
+            width = max(len(q) for q in seqs)
+            self.stop_sequences = jnp.asarray([list(q) + [-1] * (width - len(q)) for q in sorted(seqs)], jnp.int32)
+        else:
+            self.stop_sequences = jnp.zeros((0, 0), jnp.int32)
 
     @property
     def per_turn_rows(self) -> tuple[int, int] | None:

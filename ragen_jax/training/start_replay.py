@@ -21,10 +21,8 @@ exactly what it would have.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -73,14 +71,3 @@ class StartReplay:
         self.keys = np.asarray(state["keys"], np.uint32).reshape(-1, words)
         self.uses = np.asarray(state["uses"], np.int64).reshape(-1)
 
-
-def group_solved(traj, group_size: int) -> jax.Array:
-    """bool ``[G]``: every episode of the group ended in success."""
-    return jnp.all(traj.success.reshape(-1, group_size), axis=1)
-
-
-@functools.lru_cache(maxsize=None)
-def group_solved_program(placement, group_size: int):
-    """``group_solved`` of the whole (global) batch as one program with a replicated result."""
-    fn = functools.partial(group_solved, group_size=group_size)
-    return jax.jit(fn) if placement is None else jax.jit(fn, out_shardings=placement.replicated)

@@ -29,7 +29,7 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
 from ragen_jax.training import dynamic_sampling
-from ragen_jax.training.start_replay import StartReplay, group_solved_program
+from ragen_jax.training.start_replay import StartReplay
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
@@ -318,7 +318,8 @@ def _rollout_with_replay(run: Setup, params, key: jax.Array, group_size: int, re
     group_keys, uses, replayed = replay.starts(key, run.rollout.config.num_groups)
     _, sample_key = jax.random.split(key)  # the sampling key ``rollout(params, key)`` would use
     traj = run.rollout.from_starts(params, group_keys, sample_key)
-    solved = np.asarray(run.placement.fetch(group_solved_program(run.placement, group_size)(traj)), bool)
+    # Every episode of the group succeeded (a collective: every process fetches the whole batch's [B]).
+    solved = np.asarray(run.placement.fetch(traj.success), bool).reshape(-1, group_size).all(axis=1)
     replay.record(group_keys, uses, solved)
     return traj, {"rollout/replayed_groups": float(replayed),
                   "rollout/replayed_groups_solved": float(solved[:replayed].sum()),
