@@ -7,6 +7,7 @@ Sections (each is the keys of one part's frozen config dataclass, so every field
 an unknown key fails with the allowed names):
 
   env       environment name + its constructor / EnvParams keyword arguments (flat)
+  train_env EnvParams keyword arguments the StarPO training rollouts use instead of env's (None = env's)
   model     ModelSection   (preset, local path, dtypes, tiny dims, LoRA)
   rollout   RolloutConfig  (groups × group size, turns, actions, sampling)
   starpo    StarPOConfig   (advantages, PPO clip, KL, entropy, optimiser)
@@ -33,6 +34,7 @@ from ml_collections import ConfigDict, config_dict
 from ragen_jax.config import (CollapseConfig, EvalConfig, FilterConfig, LoggingConfig, MeshConfig, ModelSection,
                               RolloutConfig, StarPOConfig, TrainerConfig, WarmupConfig)
 from ragen_jax.config.checks import field_defaults
+from ragen_jax.config.resolve import train_env_fields
 
 
 def dataclass_section(cls, **overrides) -> ConfigDict:
@@ -75,6 +77,11 @@ def get_config() -> ConfigDict:
     c.env.dim_room = (6, 6)
     c.env.num_boxes = 1
     c.env.observation_format = "grid"
+    # The training distribution, when it differs from validation's (RAGEN's separate
+    # ``es_manager.train`` / ``es_manager.val`` env configs): any ``default_params`` keyword of the
+    # environment, e.g. ``--config.train_env.p=0.8`` trains FrozenLake on maps with twice the holes
+    # while validation and the warm-up keep ``env.p``. None = the value in ``env``.
+    c.train_env = ConfigDict({k: config_dict.placeholder(t) for k, t in train_env_fields().items()})
 
     # --- model ------------------------------------------------------------------------------
     # preset: tiny | smollm2_135m | qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-3b | qwen2.5-7b; path: a

@@ -56,6 +56,9 @@ class RunSpec:
     eval: EvalConfig
     mesh: MeshConfig
     logging: LoggingConfig
+    # ``config.train_env``: the ``default_params`` keyword arguments the StarPO training rollouts use
+    # instead of ``env_param_kwargs`` (empty: they use the env's own; validation and the warm-up always do)
+    train_env_param_kwargs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def preset(self) -> str:
@@ -116,6 +119,48 @@ def check_env_settings(name: str, ctor_kw: dict, param_kw: dict) -> None:
     except (ValueError, TypeError) as e:
         settings = ", ".join(f"env.{k}={v!r}" for k, v in {**ctor_kw, **param_kw}.items()) or "defaults"
         _fail(f"config.env ({settings}): {e}")
+
+
+def train_env_fields() -> dict[str, type]:
+    """The keys of ``config.train_env``: every ``default_params`` keyword of the on-device environments,
+    with the type of its default (float where environments disagree between int and float).
+
+    The section holds all of them (each a placeholder, ``None`` = ``config.env``'s value), so that
+    ``--config.train_env.p=0.8`` parses whatever the env; ``resolve`` refuses a key that is not a
+    parameter of the configured one.
+    """
+    fields: dict[str, type] = {}
+    for name in sorted(environments.REGISTRY):
+        cls = environments.env_class(name)
+        for key, param in inspect.signature(cls.default_params).parameters.items():
+            if key == "self" or param.default is inspect.Parameter.empty:
+                continue
+            kind = type(param.default)
+            seen = fields.setdefault(key, kind)
+            if seen is not kind:
+                fields[key] = float if {seen, kind} <= {int, float} else object
+    return fields
+
+
+def split_train_env(env_name: str, values: dict, env_param_kwargs: dict) -> dict:
+    """``config.train_env``'s set values -> the training rollouts' ``default_params`` keyword arguments.
+
+    Only the environment's traced params may differ in training: its constructor settings (sizes,
+    observation format, texts) shape the prompt, which validation and the warm-up share with training.
+    """
+    values = {k: v for k, v in values.items() if v is not None}
+    if not values:
+        return {}
+    if environments.is_host(env_name):
+        _fail(f"train_env ({', '.join(sorted(values))}) is set but env.name={env_name!r} is a Python text "
+              "environment, whose episodes have no params to vary in training; leave config.train_env unset")
+    params = set(inspect.signature(environments.env_class(env_name).default_params).parameters) - {"self"}
+    unknown = sorted(set(values) - params)
+    if unknown:
+        _fail(f"train_env.{unknown[0]} is not a param of {env_name} (train_env takes the params of "
+              f"env.default_params; the constructor's settings shape the prompt, which training shares with "
+              f"validation and the warm-up); allowed: {sorted(params)}")
+    return {**env_param_kwargs, **values}
 
 
 def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
@@ -201,6 +246,13 @@ def resolve(config: ConfigDict) -> RunSpec:
     env_values = {k: v for k, v in config.env.to_dict().items() if k != "name"}
     env_name, env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
     check_env_settings(env_name, env_kwargs, env_param_kwargs)
+    train_values = config.train_env.to_dict() if "train_env" in config else {}
+    train_env_param_kwargs = split_train_env(env_name, train_values, env_param_kwargs)
+    if train_env_param_kwargs:
+        try:
+            environments.make(env_name, **env_kwargs).default_params(**train_env_param_kwargs)
+        except (ValueError, TypeError) as e:
+            _fail(f"config.train_env ({', '.join(f'train_env.{k}={v!r}' for k, v in train_values.items() if v is not None)}): {e}")
 
     # Parts (their from_dict validates unknown keys and registry names).
     rollout, starpo, filt, collapse = (_build(name, cls[name], config[name].to_dict())
@@ -219,7 +271,8 @@ def resolve(config: ConfigDict) -> RunSpec:
     return RunSpec(config=config, mode=config.mode, workdir=config.workdir, seed=int(config.seed),
                    env_name=env_name, env_kwargs=env_kwargs, env_param_kwargs=env_param_kwargs, model=model,
                    rollout=rollout, starpo=starpo, filter=filt, collapse=collapse, trainer=trainer,
-                   warmup=warmup, eval=evaluation, mesh=mesh, logging=logs)
+                   warmup=warmup, eval=evaluation, mesh=mesh, logging=logs,
+                   train_env_param_kwargs=train_env_param_kwargs)
 
 
 def _warn_off_policy_ratio(rollout, starpo) -> None:

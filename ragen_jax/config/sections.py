@@ -411,5 +411,5 @@ class LoggingConfig(Section):
 
 
 # Top level of a run's config: scalars and the section names.
-TOP_LEVEL_KEYS = ("mode", "workdir", "seed", "compilation_cache_dir", "env", "model", "rollout", "starpo",
-                  "filter", "collapse", "trainer", "warmup", "eval", "mesh", "logging")
+TOP_LEVEL_KEYS = ("mode", "workdir", "seed", "compilation_cache_dir", "env", "train_env", "model", "rollout",
+                  "starpo", "filter", "collapse", "trainer", "warmup", "eval", "mesh", "logging")

@@ -28,13 +28,17 @@ class Setup:
     tokenizer: Any
     model_cfg: Any
     env: Any
-    env_params: Any
+    env_params: Any  # validation's and the warm-up's (``config.env``)
     graphdefs: Any
     train_state: Any
-    rollout: Any
+    rollout: Any  # the StarPO training rollout, on ``train_env_params``
     update: Callable
     placement: Any  # ragen_jax.placement.Placement: the mesh every array lives on
     state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
+    # The training rollouts' params (``config.train_env`` over ``config.env``; ``env_params`` when unset)
+    # and the rollout of ``env_params`` the warm-up draws its demonstrations from (``rollout`` when unset).
+    train_env_params: Any = None
+    warmup_rollout: Any = None
     # update_on_rows(W): the update with limited-context turn rows W wide (built once per W)
     update_on_rows: Callable[[int], Callable] | None = None
     # gradient_analysis(train_state, trajectory) -> metrics (trainer.gradient_analysis_every)
@@ -70,6 +74,7 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     placement = placement or make_placement(spec)
     tokenizer, model_cfg, model = build_model(spec, placement)
     env, env_params = build_env(spec, tokenizer)
+    train_env_params = env.default_params(**spec.train_env_param_kwargs) if spec.train_env_param_kwargs else env_params
     _check_env_fits_processes(env, placement)
     mode = spec.starpo.critic_mode
     critic = None
@@ -90,7 +95,10 @@ def setup(spec: RunSpec, placement=None) -> Setup:
     state_shardings = placement.state_shardings(train_state)
     train_state = placement.put(train_state, state_shardings)
     try:
-        rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
+        rollout = make_rollout(graphdefs.policy, env, train_env_params, tokenizer, spec.rollout, placement=placement)
+        warmup_rollout = rollout
+        if train_env_params is not env_params:  # the warm-up imitates on validation's distribution
+            warmup_rollout = make_rollout(graphdefs.policy, env, env_params, tokenizer, spec.rollout, placement=placement)
     except ValueError as e:  # a context too short for this tokenizer's prompt: the config's to fix
 
         raise ConfigError(str(e).replace("RolloutConfig.", "rollout.")) from None
@@ -113,4 +121,5 @@ def setup(spec: RunSpec, placement=None) -> Setup:
                                           shared_prefix_len=len(rollout.codec.preamble_ids),
                                           per_turn_rows=rollout.per_turn_rows, placement=placement)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),
-                 placement, state_shardings, functools.lru_cache(maxsize=None)(update_on_rows), analysis)
+                 placement, state_shardings, train_env_params, warmup_rollout,
+                 functools.lru_cache(maxsize=None)(update_on_rows), analysis)

@@ -420,7 +420,7 @@ def _warm_up_and_validate(loop: Loop, train_state):
         if run.placement.is_main:
             print(f"warm-up restored from {cache.path}")
     elif warms:
-        params, warm_summary = run_warmup(run.rollout, train_state.params, w,
+        params, warm_summary = run_warmup(run.warmup_rollout, train_state.params, w,
                                           log_fn=logger.scalars, progress=spec.trainer.progress_bar,
                                           frozen=frozen_base(train_state))
     if warms:

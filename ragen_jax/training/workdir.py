@@ -28,7 +28,7 @@ from typing import Any
 
 from ragen_jax.config import ConfigError, LoggingConfig
 from ragen_jax.config.checks import field_defaults
-from ragen_jax.config.resolve import SECTIONS
+from ragen_jax.config.resolve import SECTIONS, train_env_fields
 
 # Keys that change how long a run goes on, how often it logs, evaluates and saves, or how it is
 # driven — never what a step computes — so a resume may change them.
@@ -143,6 +143,7 @@ def config_as_json(config) -> dict:
 def section_defaults() -> dict[str, Any]:
     """Every section key at its dataclass default, flattened as ``config.json`` stores it."""
     defaults = {name: field_defaults(cls) for name, cls in SECTIONS.items()}
+    defaults["train_env"] = dict.fromkeys(train_env_fields())  # unset: the training env is config.env
     return flatten(json.loads(json.dumps(defaults)))  # tuples -> lists, nested dicts -> dotted keys
 
 
