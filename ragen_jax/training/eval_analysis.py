@@ -15,6 +15,12 @@ For every failed episode, the first wrong thing in it, turn by turn and action b
 Also, over all turns of all episodes: the share of turns whose reasoning names both cells right,
 and the share of executed moves that are shortest-path moves. Boards are read back from the
 transcripts' ``grid`` (or ``grid_coord``) observations, so the analysis needs nothing but the file.
+
+With several attempts per puzzle (``--config.eval.pass_k=K``; any environment), ``attempt_spread``
+splits the puzzles into never / sometimes / always solved, which bounds what RL can add by sharpening
+the policy's own distribution: the success if every puzzle it sometimes solves were always solved
+(``sharpening_bound``). A puzzle never solved in K attempts needs behaviour the policy does not yet
+sample, which on-policy advantages (a group of all failures has no reward spread) cannot reward.
 """
 from __future__ import annotations
 
@@ -123,6 +129,25 @@ def analyse(records: list[dict]) -> dict:
     }
 
 
+def attempt_spread(records: list[dict]) -> dict:
+    """Per-puzzle success over its attempts: never / sometimes / always solved, the mean success and
+    the ``sharpening_bound`` (every sometimes-solved puzzle always solved). None with one attempt each
+    (or records without a ``puzzle`` index)."""
+    if not records or any("puzzle" not in rec for rec in records):
+        return None
+    by_puzzle = collections.defaultdict(list)
+    for rec in records:
+        by_puzzle[rec["puzzle"]].append(bool(rec["success"]))
+    if max(len(v) for v in by_puzzle.values()) < 2:
+        return None
+    rates = [sum(v) / len(v) for v in by_puzzle.values()]
+    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
+    n = len(rates)
+    return {"puzzles": n, "attempts": max(len(v) for v in by_puzzle.values()), "never": never,
+            "sometimes": n - never - always, "always": always, "success": sum(rates) / n,
+            "sharpening_bound": (n - never) / n}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("jsonl", help="eval transcripts (runs/<job>/eval/transcripts.jsonl)")
@@ -137,6 +162,9 @@ def main(argv=None):
     if not chosen:
         raise SystemExit(f"{args.jsonl}: no evaluation at step {step}; steps: {sorted({r['step'] for r in records})}")
     result = analyse(chosen)
+    spread = attempt_spread(chosen)
+    if spread is not None:
+        result["attempt_spread"] = spread
     print(json.dumps({"step": step, **result}, indent=2))
     return result
 

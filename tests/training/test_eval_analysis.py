@@ -66,3 +66,15 @@ def test_a_transcript_without_a_grid_is_a_clear_error():
     with pytest.raises(ValueError, match="grid"):
         eval_analysis.turns_of(SYSTEM + "<|im_start|>user\nState:\nPlayer: (0, 0)\n<|im_end|>\n"
                                         "<|im_start|>assistant\n<think>x</think>")
+
+
+def test_attempt_spread_counts_never_sometimes_always_solved_puzzles():
+    """Hand-worked: puzzle 0 solved 2 of 2, puzzle 1 once of 2, puzzle 2 never, puzzle 3 once of 2:
+    mean success (1 + 0.5 + 0 + 0.5) / 4 = 0.5; sharpened, every puzzle but 2 always: 3 / 4."""
+    outcomes = {0: [True, True], 1: [False, True], 2: [False, False], 3: [True, False]}
+    records = [dict(step=0, puzzle=p, attempt=a, success=s) for p, v in outcomes.items() for a, s in enumerate(v)]
+    assert eval_analysis.attempt_spread(records) == {
+        "puzzles": 4, "attempts": 2, "never": 1, "sometimes": 2, "always": 1, "success": 0.5,
+        "sharpening_bound": 0.75}
+    # One attempt per puzzle says nothing about the spread.
+    assert eval_analysis.attempt_spread([dict(r, attempt=0) for r in records if r["attempt"] == 0]) is None
