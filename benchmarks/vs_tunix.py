@@ -292,6 +292,7 @@ def one_turn_trajectory(prompt, plen, comp, clen, rewards, pad: int, group_size:
         sampler_logprobs=jnp.zeros((batch, width), jnp.float32),
         turn_ids=jnp.asarray(np.where(valid, 0, -1), jnp.int32), token_rewards=jnp.asarray(token_rewards),
         turn_rewards=jnp.asarray(rewards[:, None]), turn_format_penalty=jnp.zeros((batch, 1), jnp.float32),
+        turn_reasoning_reward=jnp.zeros((batch, 1), jnp.float32),
         turn_mask=jnp.ones((batch, 1), bool), turn_last_token=jnp.asarray(last[:, None]),
         prompt_end=ends, reasoning_start=ends, reasoning_end=ends,
         group_ids=jnp.asarray(np.arange(batch) // group_size, jnp.int32), episode_return=jnp.asarray(rewards),

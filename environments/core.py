@@ -139,6 +139,18 @@ class AgentFacing:
         action, _ = _jitted_parse(self)(jnp.asarray(buf), jnp.int32(len(data)))
         return action
 
+    # --- a reward for the reasoning (optional) ---------------------------------------------
+    def reasoning_reward(self, state, reasoning, n, params):
+        """A reward for a reply's reasoning, given before its actions run (float32 []): ``reasoning``
+        uint8 [W] is the reply after its forced opening (``<think>``), ``n`` its byte count, ``state``
+        the state the reply answered. The base class gives none; an environment that grades what the
+        reply says about its state overrides this (FrozenLake: ``description_reward``)."""
+        return jnp.float32(0.0)
+
+    @classmethod
+    def has_reasoning_reward(cls) -> bool:
+        return cls.reasoning_reward is not AgentFacing.reasoning_reward
+
     # --- the warm-up's expert -------------------------------------------------------------
     def expert(self, state, params) -> Plan:
         """The expert's answers from a host (NumPy) ``state``."""

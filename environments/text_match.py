@@ -9,6 +9,9 @@ every start position at once and keeps the leftmost success — ``re.search``'s 
 Bytes are ASCII: ``\\s`` is ``[ \\t\\n\\r\\f\\v]`` and ``\\d`` is ``[0-9]`` (Python's ``str`` patterns
 would also accept Unicode spaces and digits). A captured number of more than ``MAX_DIGITS`` digits
 reads as ``HUGE``.
+
+``literal`` / ``decimal`` / ``concat`` / ``starts_with`` build a text of data-dependent length and
+compare another with it (an environment's reward for a reply that states what it sees).
 """
 from __future__ import annotations
 
@@ -101,3 +104,46 @@ class Scanner:
         first = jnp.argmax(ok)
         numbers = jnp.stack([c[first] for c in caps]) if caps else jnp.zeros((0,), jnp.int32)
         return jnp.any(ok), numbers
+
+
+# --- building a text -------------------------------------------------------------------------------
+
+
+def literal(text: str) -> tuple[chex.Array, chex.Array]:
+    """An ASCII literal as a segment: ``(uint8 [len], int32 [] len)``."""
+    data = np.frombuffer(text.encode("ascii"), np.uint8)
+    return jnp.asarray(data), jnp.int32(len(data))
+
+
+def decimal(value: chex.Array, max_digits: int) -> tuple[chex.Array, chex.Array]:
+    """A non-negative int ``value < 10**max_digits`` in decimal, no leading zeros:
+    ``(uint8 [max_digits], int32 [] digits)``."""
+    value = jnp.asarray(value, jnp.int32)
+    powers = 10 ** np.arange(max_digits - 1, -1, -1)  # most significant first
+    digits = (value // powers) % 10
+    n = jnp.maximum(1, jnp.sum(value >= powers[:-1]) + 1) if max_digits > 1 else jnp.int32(1)
+    # Drop the leading zeros: the last n of the max_digits digits, moved to the front.
+    shifted = jnp.take(digits, jnp.clip(jnp.arange(max_digits) + max_digits - n, 0, max_digits - 1))
+    return (shifted + ord("0")).astype(jnp.uint8), n.astype(jnp.int32)
+
+
+def concat(segments, width: int) -> tuple[chex.Array, chex.Array]:
+    """Segments ``(uint8 [k], int32 [] used)`` one after the other (each cut to its ``used`` bytes; a
+    segment with ``used`` 0 is left out): ``(uint8 [width] zero-padded, int32 [] length)``. A text
+    longer than ``width`` is cut there."""
+    out = jnp.zeros((width,), jnp.uint8)
+    offset = jnp.int32(0)
+    for data, used in segments:
+        k = data.shape[0]
+        idx = jnp.where(jnp.arange(k) < used, offset + jnp.arange(k), width)
+        out = out.at[idx].set(data, mode="drop")
+        offset = offset + jnp.minimum(used, k)
+    return out, jnp.minimum(offset, width)
+
+
+def starts_with(text: chex.Array, n: chex.Array, prefix: chex.Array, m: chex.Array) -> chex.Array:
+    """Whether ``text[:n]`` (uint8 [L]) opens with ``prefix[:m]`` (uint8 [W]); bool []."""
+    w = prefix.shape[0]
+    head = text[:w] if text.shape[0] >= w else jnp.pad(text, (0, w - text.shape[0]))
+    same = (head == prefix) | (jnp.arange(w) >= m)
+    return jnp.all(same) & (n >= m)

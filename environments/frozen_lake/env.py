@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from environments import render
+from environments import render, text_match
 from environments.core import EnvParams, EnvState, Environment
 from environments.frozen_lake import expert as frozen_lake_expert
 from environments.hashing import expand_words
@@ -77,6 +77,10 @@ class FrozenLakeState(EnvState):
 class FrozenLakeParams(EnvParams):
     p: chex.Array             # float32 [] probability that a cell is frozen (not a hole)
     success_rate: chex.Array  # float32 [] probability that the intended move happens
+    # Ours, not the original's: the reward for a reply whose reasoning opens with the board's exact
+    # description (``FrozenLake.reasoning_reward``); 0 = none (RAGEN's rewards). Params batched for a
+    # vmap over them (one value per env) need this one batched too.
+    description_reward: chex.Array = 0.0  # float32 []
 
 
 def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
@@ -91,6 +95,9 @@ def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
         v = np.asarray(value)
         if not np.all((v >= lo) & (v <= hi)):
             raise ValueError(f"FrozenLake: {name}={v} is outside [{lo}, {hi}]; pass a probability")
+    bonus = params.description_reward
+    if not isinstance(bonus, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(bonus))):
+        raise ValueError(f"FrozenLake: description_reward={np.asarray(bonus)} must be a finite number")
     steps = params.max_steps_in_episode
     if not isinstance(steps, jax.core.Tracer) and not np.all(np.asarray(steps) >= 1):
         raise ValueError(
@@ -337,11 +344,12 @@ class FrozenLake(Environment):
 
     # --- dynamics -------------------------------------------------------------------------
     def default_params(self, p: float = 0.9, success_rate: float = 0.8,
-                       max_steps_in_episode: int = 100) -> FrozenLakeParams:
+                       max_steps_in_episode: int = 100, description_reward: float = 0.0) -> FrozenLakeParams:
         return check_params(FrozenLakeParams(
             p=jnp.float32(p),
             success_rate=jnp.float32(success_rate),
             max_steps_in_episode=jnp.int32(max_steps_in_episode),
+            description_reward=jnp.float32(description_reward),
         ))
 
     def reset_env(self, key: chex.PRNGKey, params: FrozenLakeParams):
@@ -527,6 +535,54 @@ class FrozenLake(Environment):
         else:
             text = INSTRUCTION
         return text if self.slips(params) else text.replace(" " + SLIPPERY, "")
+
+    # --- a reward for reading the board right ---------------------------------------------------
+    def description_bytes(self, state: FrozenLakeState) -> tuple[chex.Array, chex.Array]:
+        """The board's description as the expert's reasoning opens (``expert_reasoning``'s style), up
+        to and including its first ``;``: "The player is at (3, 3) and the goal at (0, 0), hole at
+        (3, 2);" (``before_move``) or "The player is at (3, 3) and the goal at (0, 0);"
+        (``after_move``). -> ``(uint8 [description_width], int32 [] length)``, built on device."""
+        digits = len(str(self.size - 1))
+        lit = text_match.literal
+
+        def cell(rc, shown=True):  # "(r, c)"; left out (length 0) where ``shown`` is False
+            pieces = [lit("("), text_match.decimal(rc[0], digits), lit(", "), text_match.decimal(rc[1], digits),
+                      lit(")")]
+            return [(data, jnp.where(shown, used, 0)) for data, used in pieces]
+
+        parts = [lit("The player is at "), *cell(state.pos), lit(" and the goal at "), *cell(state.goal)]
+        if self.expert_reasoning == "before_move":
+            # Every hole next to the player, in the expert's order (Left, Down, Right, Up).
+            cells = state.pos[None] + jnp.array([[0, -1], [1, 0], [0, 1], [-1, 0]], jnp.int32)
+            inside = jnp.all((cells >= 0) & (cells < self.size), axis=1)
+            cells = jnp.clip(cells, 0, self.size - 1)
+            near = inside & state.holes[cells[:, 0], cells[:, 1]]
+            count, before = jnp.sum(near), jnp.cumsum(near) - near  # holes named before each
+            parts += [(lit(", no hole near")[0], jnp.where(count == 0, 14, 0)),
+                      (lit(", hole at ")[0], jnp.where(count == 1, 10, 0)),
+                      (lit(", holes at ")[0], jnp.where(count > 1, 11, 0))]
+            for k in range(4):
+                parts += [(lit(", ")[0], jnp.where(near[k] & (before[k] > 0), 2, 0)), *cell(cells[k], near[k])]
+        parts.append(lit(";"))
+        return text_match.concat(parts, self.description_width)
+
+    @property
+    def description_width(self) -> int:
+        """The longest description ``description_bytes`` can build (four holes named)."""
+        cell = len("(, )") + 2 * len(str(self.size - 1))
+        return len("The player is at  and the goal at , holes at ;") + 6 * cell + 3 * len(", ")
+
+    def reasoning_reward(self, state: FrozenLakeState, reasoning: chex.Array, n: chex.Array,
+                         params: FrozenLakeParams) -> chex.Array:
+        """``description_reward`` when the reasoning (``uint8 [W]``, the reply after its forced opening;
+        ``n`` bytes) opens with the board's exact description (``description_bytes``), else 0.
+
+        Ours, not the original's (off by default): a reward on what the reply says it sees, which
+        grades the reading of a board whose episode fails either way; with ``train_env`` it shapes
+        training only, validation keeping RAGEN's rewards.
+        """
+        text, length = self.description_bytes(state)
+        return jnp.where(text_match.starts_with(reasoning, n, text, length), params.description_reward, 0.0)
 
     # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):

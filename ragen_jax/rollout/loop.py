@@ -185,6 +185,7 @@ class Rollout:
         self.byte_table = jnp.asarray(table)
         self.byte_len = jnp.asarray(np.concatenate([byte_len, [len(prefix)]]).astype(np.int32))
         self.prefix_row = byte_table.shape[0]
+        self.prefix_bytes = len(prefix)
         self.reply_bytes = len(prefix) + config.max_new_tokens * byte_table.shape[1]
         self.vocab = action_vocab(env, self.reply_bytes)
 
@@ -394,7 +395,8 @@ class Rollout:
         eot = active & (rlen > 0) & (last_tok == cd.eot_id)
         pos = prompt_end + rlen
 
-        parsed, reasoning_end = self._parse(reply, rlen, prompt_end)
+        parsed, reasoning_end, rbytes, nbytes = self._parse(reply, rlen, prompt_end)
+        reasoning_reward = self._reasoning_reward(carry.state, rbytes, nbytes, active)
         state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
 
         stepped = active & (parsed.n_valid > 0)
@@ -409,8 +411,8 @@ class Rollout:
             warn=jnp.where(active, ~stepped, carry.warn), turn_starts=block.turn_starts,
         )
         per_turn = dict(
-            reward=jnp.where(active, rsum + jnp.where(penalty, c.format_penalty, 0.0), 0.0),
-            penalty=jnp.where(penalty, c.format_penalty, 0.0), mask=active,
+            reward=jnp.where(active, rsum + jnp.where(penalty, c.format_penalty, 0.0) + reasoning_reward, 0.0),
+            penalty=jnp.where(penalty, c.format_penalty, 0.0), reasoning_reward=reasoning_reward, mask=active,
             last=jnp.where(active & (rlen > 0), pos - 1, -1), prompt_end=jnp.where(active, prompt_end, 0),
             r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
             valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
@@ -483,12 +485,23 @@ class Rollout:
         parsed = jax.vmap(lambda b, n: parser_lib.parse_reply(b, n, self.vocab, c.max_actions_per_turn,
                                                               c.enable_think))(rbytes, nbytes)
         if not c.enable_think:
-            return parsed, gen_start
+            return parsed, gen_start, rbytes, nbytes
         # Reasoning span: after the forced "<think>" up to the token holding "</think>". A reply that
         # does not parse has none (empty span): the MI proxy excludes the turn, as the original does,
         # rather than scoring the whole malformed reply as reasoning.
         end_tok = jnp.take_along_axis(bsrc, jnp.clip(parsed.think_end, 0, self.reply_bytes - 1)[:, None], 1)[:, 0]
-        return parsed, jnp.where(parsed.matched, gen_start + end_tok - 1, gen_start)
+        return parsed, jnp.where(parsed.matched, gen_start + end_tok - 1, gen_start), rbytes, nbytes
+
+    def _reasoning_reward(self, state, rbytes, nbytes, active):
+        """The environment's reward for each reply's reasoning (``AgentFacing.reasoning_reward``) on the
+        state it answered; [B] float32, 0 on inactive rows and for an environment without one. The
+        reply's bytes open with the forced prefix, which the environment does not see."""
+        if not self.env.has_reasoning_reward():
+            return jnp.zeros(active.shape, jnp.float32)
+        k = self.prefix_bytes
+        r = jax.vmap(lambda s, b, n: self.env.reasoning_reward(s, b, n, self.env_params))(
+            state, rbytes[:, k:], jnp.maximum(nbytes - k, 0))
+        return jnp.where(active, r, 0.0).astype(jnp.float32)
 
     def _step_envs(self, env_keys, carry: TurnCarry, parsed, active):
         """The parsed actions, one slot at a time (``lax.scan``), each masked by validity, the
@@ -544,6 +557,7 @@ class Rollout:
             token_rewards=token_rewards,
             turn_rewards=pt["reward"],
             turn_format_penalty=pt["penalty"],
+            turn_reasoning_reward=pt["reasoning_reward"],
             turn_mask=pt["mask"],
             turn_last_token=pt["last"],
             prompt_end=pt["prompt_end"],

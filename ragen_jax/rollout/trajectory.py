@@ -34,8 +34,9 @@ class Trajectory:
     turn_ids: chex.Array  # int32 [B, L] turn index of each token; -1 for the preamble and padding
     token_rewards: chex.Array  # float32 [B, L] turn reward at each turn's last sampled token
 
-    turn_rewards: chex.Array  # float32 [B, T] env reward sum + format penalty per turn
+    turn_rewards: chex.Array  # float32 [B, T] env reward sum + format penalty + reasoning reward per turn
     turn_format_penalty: chex.Array  # float32 [B, T] the penalty part (<= 0)
+    turn_reasoning_reward: chex.Array  # float32 [B, T] the env's reward for the reasoning (0 for most envs)
     turn_mask: chex.Array  # bool [B, T] turn took place
     turn_last_token: chex.Array  # int32 [B, T] index of the turn's last sampled token (-1 if none)
 

@@ -101,6 +101,7 @@ def turn_rows(traj: Trajectory, preamble_len: int, width: int) -> TurnRows:
         token_rewards=jnp.where(own, gather(traj.token_rewards), 0.0),
         turn_rewards=flat(traj.turn_rewards)[:, None],
         turn_format_penalty=flat(traj.turn_format_penalty)[:, None],
+        turn_reasoning_reward=flat(traj.turn_reasoning_reward)[:, None],
         turn_mask=active[:, None],
         turn_last_token=jnp.where(active, flat(traj.turn_last_token) + shift, -1)[:, None],
         prompt_end=to_row(traj.prompt_end),

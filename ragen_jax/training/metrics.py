@@ -40,6 +40,7 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
         "sequence_length": traj.lengths.astype(jnp.float32).mean(),
         "sequence_length_max": traj.lengths.max().astype(jnp.float32),
         "format_penalty": traj.turn_format_penalty.sum(axis=1).mean(),
+        "reasoning_reward": traj.turn_reasoning_reward.sum(axis=1).mean(),
         "sampled_tokens": traj.response_length.sum().astype(jnp.float32),
         # Transcript tokens the widest per-turn row holds after the preamble (limited context: the
         # turn's window up to its last sampled token; what the update's rows must fit). 0 in full context.

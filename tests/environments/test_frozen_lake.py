@@ -43,7 +43,8 @@ def test_dynamics_match_reference_on_random_action_sequences(is_slippery):
     rng = np.random.default_rng(0)
     success = rng.choice(np.float32([1.0, 0.8, 0.5, 1 / 3, 0.0]), n_env)
     params = FrozenLakeParams(p=jnp.full(n_env, 0.75, jnp.float32), success_rate=jnp.asarray(success),
-                              max_steps_in_episode=jnp.full(n_env, 20, jnp.int32))
+                              max_steps_in_episode=jnp.full(n_env, 20, jnp.int32),
+                              description_reward=jnp.zeros(n_env, jnp.float32))  # batched: every field
     _, state0 = jax.vmap(env.reset)(jax.random.split(jax.random.PRNGKey(1), n_env), params)
     actions = rng.integers(-1, 5, size=(horizon, n_env))  # -1 and 4 are invalid
     step_keys = jax.random.split(jax.random.PRNGKey(2), horizon * n_env).reshape(horizon, n_env, -1)
@@ -418,3 +419,49 @@ def test_flood_steps_bound_is_the_exhaustive_worst_case(size):
             reach, layers = grown, layers + 1
         worst = max(worst, layers)
     assert worst == FLOOD_STEPS[size]
+
+
+@pytest.mark.parametrize("size, style", [(4, "before_move"), (4, "after_move"), (12, "before_move")])
+def test_description_bytes_spell_the_experts_description(size, style):
+    """On device, the board's description equals the expert's host-side sentence up to its first ``;``
+    (Python string formatting as the reference), two-digit cells included."""
+    from environments.frozen_lake.expert import frozen_lake_reasoning
+
+    env = FrozenLake(size=size, expert_reasoning=style)
+    ep = env.default_params(p=0.5 if size == 4 else 0.6)
+    _, states = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(jax.random.split(jax.random.key(3), 64), ep)
+    text, n = jax.jit(jax.vmap(env.description_bytes))(states)
+    counts = set()
+    for b in range(64):
+        s = jax.tree.map(lambda x: np.asarray(x[b]), states)
+        expected = frozen_lake_reasoning(s.pos, s.goal, s.holes, "Down", style).split(";")[0] + ";"
+        assert bytes(np.asarray(text[b])[: int(n[b])].tolist()).decode() == expected
+        counts.add(expected.count("("))
+    assert int(n.max()) <= env.description_width
+    if style == "before_move":
+        assert {2, 3, 4} <= counts  # boards with no, one and two holes next to the player were checked
+
+
+def test_reasoning_reward_pays_only_an_exact_description():
+    env = FrozenLake(size=4, expert_reasoning="before_move")
+    ep = env.default_params(p=0.5, description_reward=0.25)
+    _, s = env.reset(jax.random.key(1), ep)
+    from environments.frozen_lake.expert import frozen_lake_reasoning
+
+    host = jax.tree.map(np.asarray, s)
+    right = frozen_lake_reasoning(host.pos, host.goal, host.holes, "Down", "before_move") + "</think><answer>Down</answer>"
+    wrong_hole = right.replace("no hole near", "hole at (0, 0)") if "no hole" in right else right.replace(", hole", ", no hole", 1)
+    longer = right.split(";")[0] + ", (9, 9);"  # a prefix of the description is not the description
+
+    def reward(text, n=None, params=ep):
+        data = np.zeros(80, np.uint8)
+        raw = np.frombuffer(text.encode()[:80], np.uint8)
+        data[: len(raw)] = raw
+        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(len(raw) if n is None else n), params))
+
+    assert reward(right) == 0.25
+    assert reward(wrong_hole) == 0.0 and reward(longer) == 0.0
+    assert reward(right, n=20) == 0.0  # the reply ends inside the description
+    assert reward(right, params=env.default_params(p=0.5)) == 0.0  # off by default (RAGEN's rewards)
+    with pytest.raises(ValueError, match="description_reward"):
+        env.default_params(description_reward=float("nan"))

@@ -342,6 +342,7 @@ def test_rollout_metrics_against_numpy():
         loss_mask=arr(np.zeros((B, L), bool)), sampler_logprobs=arr(np.zeros((B, L), np.float32)),
         turn_ids=arr(np.zeros((B, L), np.int32)), token_rewards=arr(np.zeros((B, L), np.float32)),
         turn_rewards=arr(np.zeros((B, T), np.float32)), turn_format_penalty=arr(pen.astype(np.float32)),
+        turn_reasoning_reward=arr(np.zeros((B, T), np.float32)),
         turn_mask=arr(np.ones((B, T), bool)), turn_last_token=arr(np.zeros((B, T), np.int32)),
         prompt_end=arr(np.zeros((B, T), np.int32)), reasoning_start=arr(np.zeros((B, T), np.int32)),
         reasoning_end=arr(np.zeros((B, T), np.int32)), group_ids=arr(np.arange(B) // 2),
@@ -372,7 +373,7 @@ def test_rollout_metrics_against_numpy():
         "valid_action_rate": np.asarray(traj.valid_action_rate).mean(),
         "effective_action_rate": np.asarray(traj.effective_action_rate).mean(),
         "response_length": resp.mean(), "sequence_length": lengths.mean(), "sequence_length_max": lengths.max(),
-        "format_penalty": pen.sum(1).mean(), "sampled_tokens": resp.sum(), "truncated": trunc.mean(),
+        "format_penalty": pen.sum(1).mean(), "reasoning_reward": 0.0, "sampled_tokens": resp.sum(), "truncated": trunc.mean(),
         "window_length_max": 19.0,
     }
     assert set(m) == set(want)

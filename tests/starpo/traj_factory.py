@@ -119,6 +119,7 @@ def build_trajectory(
         token_rewards=jnp.asarray(token_rewards),
         turn_rewards=jnp.asarray(turn_rewards),
         turn_format_penalty=jnp.asarray(turn_pen),
+        turn_reasoning_reward=jnp.zeros_like(jnp.asarray(turn_pen)),
         turn_mask=jnp.asarray(turn_mask),
         turn_last_token=jnp.asarray(turn_last),
         prompt_end=jnp.asarray(p_end),

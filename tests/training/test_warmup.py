@@ -471,3 +471,20 @@ def test_expert_reasoning_reaches_the_warmup_plan_and_leaves_old_caches_valid():
     assert fingerprint(config) == with_default
     config.env.expert_reasoning = "before_move"
     assert fingerprint(config) != with_default
+
+
+def test_expert_replies_earn_the_description_reward_through_the_rollout(setup):
+    """With ``description_reward`` 0.5 every turn of an expert conversation (whose reasoning opens with
+    the board's description, host-side text) earns 0.5 on top of the env's reward; off, none."""
+    tok, graphdef, params, rollout, env, ep = setup
+    keys = jax.random.split(jax.random.key(7), 4)
+    forced, _, _ = expert_replies(rollout, keys, np.random.default_rng(0))
+    plain = rollout.run(params, keys, jax.random.key(8), forced)
+    paid = make_rollout(graphdef, env, ep.replace(description_reward=jnp.float32(0.5)), tok, rollout.config)
+    traj = paid.run(params, keys, jax.random.key(8), forced)
+    mask = np.asarray(traj.turn_mask)
+    np.testing.assert_array_equal(np.asarray(plain.turn_reasoning_reward), 0.0)
+    np.testing.assert_array_equal(np.asarray(traj.turn_reasoning_reward), np.where(mask, 0.5, 0.0))
+    np.testing.assert_allclose(np.asarray(traj.turn_rewards), np.asarray(plain.turn_rewards) + 0.5 * mask)
+    np.testing.assert_allclose(np.asarray(traj.episode_return), np.asarray(plain.episode_return) + 0.5 * mask.sum(1))
+    np.testing.assert_array_equal(np.asarray(traj.tokens), np.asarray(plain.tokens))  # the prompts do not change
