@@ -543,14 +543,19 @@ class FrozenLake(Environment):
         (3, 2);" (``before_move``) or "The player is at (3, 3) and the goal at (0, 0);"
         (``after_move``). -> ``(uint8 [description_width], int32 [] length)``, built on device."""
         digits = len(str(self.size - 1))
-        lit = text_match.literal
 
-        def cell(rc, shown=True):  # "(r, c)"; left out (length 0) where ``shown`` is False
-            pieces = [lit("("), text_match.decimal(rc[0], digits), lit(", "), text_match.decimal(rc[1], digits),
-                      lit(")")]
-            return [(data, jnp.where(shown, used, 0)) for data, used in pieces]
+        def text(literal: str, when=True):  # a literal segment, left out (length 0) where ``when`` is False
+            data, n = text_match.literal(literal)
+            return data, jnp.where(when, n, 0)
 
-        parts = [lit("The player is at "), *cell(state.pos), lit(" and the goal at "), *cell(state.goal)]
+        def cell(rc, when=True):  # "(r, c)"
+            return [text("(", when), text_match.decimal(rc[0], digits), text(", ", when),
+                    text_match.decimal(rc[1], digits), text(")", when)]
+
+        def masked(segments, when):
+            return [(data, jnp.where(when, n, 0)) for data, n in segments]
+
+        parts = [text("The player is at "), *cell(state.pos), text(" and the goal at "), *cell(state.goal)]
         if self.expert_reasoning == "before_move":
             # Every hole next to the player, in the expert's order (Left, Down, Right, Up).
             cells = state.pos[None] + jnp.array([[0, -1], [1, 0], [0, 1], [-1, 0]], jnp.int32)
@@ -558,12 +563,10 @@ class FrozenLake(Environment):
             cells = jnp.clip(cells, 0, self.size - 1)
             near = inside & state.holes[cells[:, 0], cells[:, 1]]
             count, before = jnp.sum(near), jnp.cumsum(near) - near  # holes named before each
-            parts += [(lit(", no hole near")[0], jnp.where(count == 0, 14, 0)),
-                      (lit(", hole at ")[0], jnp.where(count == 1, 10, 0)),
-                      (lit(", holes at ")[0], jnp.where(count > 1, 11, 0))]
+            parts += [text(", no hole near", count == 0), text(", hole at ", count == 1), text(", holes at ", count > 1)]
             for k in range(4):
-                parts += [(lit(", ")[0], jnp.where(near[k] & (before[k] > 0), 2, 0)), *cell(cells[k], near[k])]
-        parts.append(lit(";"))
+                parts += [text(", ", near[k] & (before[k] > 0)), *masked(cell(cells[k]), near[k])]
+        parts.append(text(";"))
         return text_match.concat(parts, self.description_width)
 
     @property

@@ -252,7 +252,8 @@ def resolve(config: ConfigDict) -> RunSpec:
         try:
             environments.make(env_name, **env_kwargs).default_params(**train_env_param_kwargs)
         except (ValueError, TypeError) as e:
-            _fail(f"config.train_env ({', '.join(f'train_env.{k}={v!r}' for k, v in train_values.items() if v is not None)}): {e}")
+            settings = ", ".join(f"train_env.{k}={v!r}" for k, v in train_values.items() if v is not None)
+            _fail(f"config.train_env ({settings}): {e}")
 
     # Parts (their from_dict validates unknown keys and registry names).
     rollout, starpo, filt, collapse = (_build(name, cls[name], config[name].to_dict())

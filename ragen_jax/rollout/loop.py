@@ -474,7 +474,8 @@ class Rollout:
     def _parse(self, reply, rlen, gen_start):
         """Reply tokens → bytes → ``parser.parse_reply``; plus where the reasoning ends in the
         transcript (the token holding ``</think>``; ``gen_start``, an empty span, when the reply
-        does not parse)."""
+        does not parse) and the reply's bytes (``uint8 [B, reply_bytes]``, the forced prefix first;
+        their counts [B])."""
         c = self.config
         B, N = reply.shape
         pid = jnp.concatenate([jnp.full((B, 1), self.prefix_row, jnp.int32), reply], axis=1)
