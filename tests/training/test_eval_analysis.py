@@ -78,3 +78,14 @@ def test_attempt_spread_counts_never_sometimes_always_solved_puzzles():
         "sharpening_bound": 0.75}
     # One attempt per puzzle says nothing about the spread.
     assert eval_analysis.attempt_spread([dict(r, attempt=0) for r in records if r["attempt"] == 0]) is None
+
+
+def test_cli_reports_the_attempt_spread_of_another_environment(tmp_path, capsys):
+    """Transcripts without FrozenLake boards (here: none at all) still get their attempt spread."""
+    path = tmp_path / "t.jsonl"
+    rows = [dict(step=3, puzzle=p, attempt=a, success=p == 0 or a == 0, transcript="<|im_start|>assistant\nx")
+            for p in range(2) for a in range(2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = eval_analysis.main([str(path)])
+    assert result["attempt_spread"]["sometimes"] == 1 and result["attempt_spread"]["always"] == 1
+    assert "not run" in result["failure_analysis"]
