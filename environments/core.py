@@ -147,9 +147,10 @@ class AgentFacing:
         reply says about its state overrides this (FrozenLake: ``description_reward``)."""
         return jnp.float32(0.0)
 
-    @classmethod
-    def has_reasoning_reward(cls) -> bool:
-        return cls.reasoning_reward is not AgentFacing.reasoning_reward
+    def gives_reasoning_reward(self, params) -> bool:
+        """Whether ``reasoning_reward`` can be non-zero under ``params``: the rollout skips the call (and its
+        work in every turn) when not. Default: whether the class overrides it."""
+        return type(self).reasoning_reward is not AgentFacing.reasoning_reward
 
     # --- the warm-up's expert -------------------------------------------------------------
     def expert(self, state, params) -> Plan:

@@ -548,9 +548,9 @@ class FrozenLake(Environment):
             data, n = text_match.literal(literal)
             return data, jnp.where(when, n, 0)
 
-        def cell(rc, when=True):  # "(r, c)"
-            return [text("(", when), text_match.decimal(rc[0], digits), text(", ", when),
-                    text_match.decimal(rc[1], digits), text(")", when)]
+        def cell(rc):  # "(r, c)"
+            return [text("("), text_match.decimal(rc[0], digits), text(", "), text_match.decimal(rc[1], digits),
+                    text(")")]
 
         def masked(segments, when):
             return [(data, jnp.where(when, n, 0)) for data, n in segments]
@@ -574,6 +574,11 @@ class FrozenLake(Environment):
         """The longest description ``description_bytes`` can build (four holes named)."""
         cell = len("(, )") + 2 * len(str(self.size - 1))
         return len("The player is at  and the goal at , holes at ;") + 6 * cell + 3 * len(", ")
+
+    def gives_reasoning_reward(self, params: FrozenLakeParams) -> bool:
+        """False only for a concrete ``description_reward`` of 0 (the default: no description is built)."""
+        bonus = params.description_reward
+        return isinstance(bonus, jax.core.Tracer) or bool(np.any(np.asarray(bonus) != 0))
 
     def reasoning_reward(self, state: FrozenLakeState, reasoning: chex.Array, n: chex.Array,
                          params: FrozenLakeParams) -> chex.Array:

@@ -107,18 +107,26 @@ def _build(section: str, cls, values: dict):
 HOST_ENV_KEYS = ("max_obs_tokens", "step_timeout_s")
 
 
-def check_env_settings(name: str, ctor_kw: dict, param_kw: dict) -> None:
+def check_env_settings(name: str, ctor_kw: dict, param_kw: dict, section: str = "env",
+                       shown: dict | None = None) -> None:
     """Build the (on-device) environment and its params once, so an out-of-range setting
     (``env.size=100``) is one line at start-up, before the workdir is touched. Python text
-    environments are checked when the run builds them (their constructors may read data files)."""
+    environments are checked when the run builds them (their constructors may read data files).
+    The message names ``config.<section>`` and its ``shown`` settings (default: all of them)."""
     if environments.is_host(name):
         return
     try:
         env = environments.make(name, **ctor_kw)
         env.default_params(**param_kw)
     except (ValueError, TypeError) as e:
-        settings = ", ".join(f"env.{k}={v!r}" for k, v in {**ctor_kw, **param_kw}.items()) or "defaults"
-        _fail(f"config.env ({settings}): {e}")
+        shown = {**ctor_kw, **param_kw} if shown is None else shown
+        settings = ", ".join(f"{section}.{k}={v!r}" for k, v in shown.items()) or "defaults"
+        _fail(f"config.{section} ({settings}): {e}")
+
+
+def _param_names(cls) -> set[str]:
+    """The keyword arguments of an environment class's ``default_params`` (its traced params)."""
+    return set(inspect.signature(cls.default_params).parameters) - {"self"}
 
 
 def train_env_fields() -> dict[str, type]:
@@ -154,7 +162,7 @@ def split_train_env(env_name: str, values: dict, env_param_kwargs: dict) -> dict
     if environments.is_host(env_name):
         _fail(f"train_env ({', '.join(sorted(values))}) is set but env.name={env_name!r} is a Python text "
               "environment, whose episodes have no params to vary in training; leave config.train_env unset")
-    params = set(inspect.signature(environments.env_class(env_name).default_params).parameters) - {"self"}
+    params = _param_names(environments.env_class(env_name))
     unknown = sorted(set(values) - params)
     if unknown:
         _fail(f"train_env.{unknown[0]} is not a param of {env_name} (train_env takes the params of "
@@ -181,7 +189,7 @@ def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
     if environments.is_host(base):
         params = set(HOST_ENV_KEYS)
     else:
-        params = set(inspect.signature(cls.default_params).parameters) - {"self"}
+        params = _param_names(cls)
     ctor_kw, param_kw = {}, {}
     for k, v in {**settings, **values}.items():
         if k in ctor:
@@ -246,14 +254,11 @@ def resolve(config: ConfigDict) -> RunSpec:
     env_values = {k: v for k, v in config.env.to_dict().items() if k != "name"}
     env_name, env_kwargs, env_param_kwargs = split_env_kwargs(config.env.name, env_values)
     check_env_settings(env_name, env_kwargs, env_param_kwargs)
-    train_values = config.train_env.to_dict() if "train_env" in config else {}
+    train_values = {k: v for k, v in (config.train_env.to_dict() if "train_env" in config else {}).items()
+                    if v is not None}
     train_env_param_kwargs = split_train_env(env_name, train_values, env_param_kwargs)
     if train_env_param_kwargs:
-        try:
-            environments.make(env_name, **env_kwargs).default_params(**train_env_param_kwargs)
-        except (ValueError, TypeError) as e:
-            settings = ", ".join(f"train_env.{k}={v!r}" for k, v in train_values.items() if v is not None)
-            _fail(f"config.train_env ({settings}): {e}")
+        check_env_settings(env_name, env_kwargs, train_env_param_kwargs, section="train_env", shown=train_values)
 
     # Parts (their from_dict validates unknown keys and registry names).
     rollout, starpo, filt, collapse = (_build(name, cls[name], config[name].to_dict())

@@ -497,7 +497,7 @@ class Rollout:
         """The environment's reward for each reply's reasoning (``AgentFacing.reasoning_reward``) on the
         state it answered; [B] float32, 0 on inactive rows and for an environment without one. The
         reply's bytes open with the forced prefix, which the environment does not see."""
-        if not self.env.has_reasoning_reward():
+        if not self.env.gives_reasoning_reward(self.env_params):
             return jnp.zeros(active.shape, jnp.float32)
         k = self.prefix_bytes
         r = jax.vmap(lambda s, b, n: self.env.reasoning_reward(s, b, n, self.env_params))(
