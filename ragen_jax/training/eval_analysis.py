@@ -21,6 +21,13 @@ splits the puzzles into never / sometimes / always solved, which bounds what RL 
 the policy's own distribution: the success if every puzzle it sometimes solves were always solved
 (``sharpening_bound``). A puzzle never solved in K attempts needs behaviour the policy does not yet
 sample, which on-policy advantages (a group of all failures has no reward spread) cannot reward.
+
+``--before FILE`` (the same puzzles evaluated earlier, e.g. right after the warm-up) adds
+``spread_transitions``: how many puzzles moved from each class to each class, and each earlier class's
+mean success then and now — where training sharpened (sometimes → always), where it reached new
+behaviour (never → solved), and where it lost what the earlier policy could do (→ never).
+
+    python -m ragen_jax.training.eval_analysis AFTER.jsonl --before WARMUP.jsonl
 """
 from __future__ import annotations
 
@@ -129,38 +136,86 @@ def analyse(records: list[dict]) -> dict:
     }
 
 
+SPREAD_CLASSES = ("never", "sometimes", "always")
+
+
+def _success_by_puzzle(records: list[dict]) -> dict[int, float]:
+    """Each puzzle's success rate over its attempts."""
+    by_puzzle = collections.defaultdict(list)
+    for rec in records:
+        by_puzzle[rec["puzzle"]].append(bool(rec["success"]))
+    return {p: sum(v) / len(v) for p, v in by_puzzle.items()}
+
+
+def _spread_class(rate: float) -> str:
+    return "never" if rate == 0 else "always" if rate == 1 else "sometimes"
+
+
 def attempt_spread(records: list[dict]) -> dict:
     """Per-puzzle success over its attempts: never / sometimes / always solved, the mean success and
     the ``sharpening_bound`` (every sometimes-solved puzzle always solved). None with one attempt each
     (or records without a ``puzzle`` index)."""
     if not records or any("puzzle" not in rec for rec in records):
         return None
-    by_puzzle = collections.defaultdict(list)
-    for rec in records:
-        by_puzzle[rec["puzzle"]].append(bool(rec["success"]))
-    if max(len(v) for v in by_puzzle.values()) < 2:
+    attempts = collections.Counter(rec["puzzle"] for rec in records)
+    if max(attempts.values()) < 2:
         return None
-    rates = [sum(v) / len(v) for v in by_puzzle.values()]
+    rates = list(_success_by_puzzle(records).values())
     never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
     n = len(rates)
-    return {"puzzles": n, "attempts": max(len(v) for v in by_puzzle.values()), "never": never,
+    return {"puzzles": n, "attempts": max(attempts.values()), "never": never,
             "sometimes": n - never - always, "always": always, "success": sum(rates) / n,
             "sharpening_bound": (n - never) / n}
+
+
+def spread_transitions(before: list[dict], after: list[dict]) -> dict:
+    """How the puzzles' attempt spread moved between two evaluations of the same puzzles.
+
+    ``moved[a][b]``: puzzles in class ``a`` before and ``b`` after (classes never / sometimes /
+    always over each evaluation's attempts); ``success[a]``: the mean success of the puzzles in class
+    ``a`` before, ``{"before": .., "after": .., "puzzles": n}``. Raises ValueError when the two files do
+    not hold the same puzzles (different validation sets cannot be paired).
+    """
+    for name, records in (("before", before), ("after", after)):
+        if not records or any("puzzle" not in rec for rec in records):
+            raise ValueError(f"the {name} evaluation has no per-puzzle records (a 'puzzle' index in each line)")
+    rate_a, rate_b = _success_by_puzzle(before), _success_by_puzzle(after)
+    if set(rate_a) != set(rate_b):
+        raise ValueError(f"the two evaluations hold different puzzles ({len(rate_a)} before, {len(rate_b)} "
+                         f"after, {len(set(rate_a) & set(rate_b))} shared): evaluate both on the same validation set")
+    moved = {a: {b: 0 for b in SPREAD_CLASSES} for a in SPREAD_CLASSES}
+    for p, r in rate_a.items():
+        moved[_spread_class(r)][_spread_class(rate_b[p])] += 1
+    success = {}
+    for a in SPREAD_CLASSES:
+        members = [p for p, r in rate_a.items() if _spread_class(r) == a]
+        if members:
+            success[a] = {"puzzles": len(members), "before": sum(rate_a[p] for p in members) / len(members),
+                          "after": sum(rate_b[p] for p in members) / len(members)}
+    return {"moved": moved, "success": success}
+
+
+def _read_evaluation(path: str, step: int | None) -> tuple[int, list[dict]]:
+    """The records of one evaluation in an eval JSONL (``step``, default the last) and its step."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise SystemExit(f"{path}: no records")
+    step = max(r["step"] for r in records) if step is None else step
+    chosen = [r for r in records if r["step"] == step]
+    if not chosen:
+        raise SystemExit(f"{path}: no evaluation at step {step}; steps: {sorted({r['step'] for r in records})}")
+    return step, chosen
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("jsonl", help="eval transcripts (runs/<job>/eval/transcripts.jsonl)")
     parser.add_argument("--step", type=int, default=None, help="only the evaluation at this step (default: the last)")
+    parser.add_argument("--before", default=None,
+                        help="an earlier evaluation of the same puzzles (its last step): adds spread_transitions")
     args = parser.parse_args(argv)
-    with open(args.jsonl) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    if not records:
-        raise SystemExit(f"{args.jsonl}: no records")
-    step = max(r["step"] for r in records) if args.step is None else args.step
-    chosen = [r for r in records if r["step"] == step]
-    if not chosen:
-        raise SystemExit(f"{args.jsonl}: no evaluation at step {step}; steps: {sorted({r['step'] for r in records})}")
+    step, chosen = _read_evaluation(args.jsonl, args.step)
     spread = attempt_spread(chosen)
     try:
         result = analyse(chosen)
@@ -170,6 +225,11 @@ def main(argv=None):
         result = {"episodes": len(chosen), "failure_analysis": f"not run: {e}"}
     if spread is not None:
         result["attempt_spread"] = spread
+    if args.before is not None:
+        try:
+            result["spread_transitions"] = spread_transitions(_read_evaluation(args.before, None)[1], chosen)
+        except ValueError as e:
+            raise SystemExit(f"--before {args.before}: {e}") from None
     print(json.dumps({"step": step, **result}, indent=2))
     return result
 

@@ -89,3 +89,29 @@ def test_cli_reports_the_attempt_spread_of_another_environment(tmp_path, capsys)
     result = eval_analysis.main([str(path)])
     assert result["attempt_spread"]["sometimes"] == 1 and result["attempt_spread"]["always"] == 1
     assert "not run" in result["failure_analysis"]
+
+
+def test_spread_transitions_pair_two_evaluations_of_the_same_puzzles(tmp_path):
+    """Hand-worked, 2 attempts each. Before: p0 never, p1 sometimes, p2 sometimes, p3 always.
+    After: p0 sometimes (new behaviour), p1 always (sharpened), p2 never (lost), p3 always.
+    Class means: never 0 -> 0.5; sometimes (p1, p2) 0.5 -> (1 + 0) / 2 = 0.5; always 1 -> 1."""
+    def records(step, outcomes):
+        return [dict(step=step, puzzle=p, attempt=a, success=s, transcript="x")
+                for p, v in outcomes.items() for a, s in enumerate(v)]
+    before = records(0, {0: [False, False], 1: [True, False], 2: [False, True], 3: [True, True]})
+    after = records(200, {0: [False, True], 1: [True, True], 2: [False, False], 3: [True, True]})
+    out = eval_analysis.spread_transitions(before, after)
+    assert out["moved"] == {"never": {"never": 0, "sometimes": 1, "always": 0},
+                            "sometimes": {"never": 1, "sometimes": 0, "always": 1},
+                            "always": {"never": 0, "sometimes": 0, "always": 1}}
+    assert out["success"] == {"never": {"puzzles": 1, "before": 0.0, "after": 0.5},
+                              "sometimes": {"puzzles": 2, "before": 0.5, "after": 0.5},
+                              "always": {"puzzles": 1, "before": 1.0, "after": 1.0}}
+    # Through the CLI (--before takes the earlier file's last evaluation).
+    a, b = tmp_path / "after.jsonl", tmp_path / "before.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in after))
+    b.write_text("".join(json.dumps(r) + "\n" for r in before))
+    assert eval_analysis.main([str(a), "--before", str(b)])["spread_transitions"] == out
+    # Different puzzles cannot be paired: a clear error naming the counts.
+    with pytest.raises(ValueError, match="different puzzles"):
+        eval_analysis.spread_transitions(before, [r for r in after if r["puzzle"] != 3])
