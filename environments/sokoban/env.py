@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from environments import text_match
 from environments.core import EnvParams, EnvState, Environment
 from environments.sokoban import expert as sokoban_expert
 from environments.sokoban.levels import (BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, PLAYER_ON_TARGET, TARGET, WALL,
@@ -71,6 +75,9 @@ class SokobanParams(EnvParams):
     # unchanged, and a penalty for a move that changes nothing (walking into a wall or a stuck box).
     distance_shaping: chex.Array = 0.0  # float32 []: + c * (dist before - dist after)
     noop_penalty: chex.Array = 0.0  # float32 []: - c for an action that moved nothing
+    # Ours too: the reward for a reply whose reasoning opens with the board's exact description
+    # (``Sokoban.reasoning_reward``); 0 = none. Params batched for a vmap need this one batched too.
+    description_reward: chex.Array = 0.0  # float32 []: + c a turn whose reasoning reads the board right
 
 
 def box_target_distance(grid: chex.Array, room_fixed: chex.Array) -> chex.Array:
@@ -151,15 +158,20 @@ class Sokoban(Environment):
         self.renderer = SokobanRenderer(self.dim_room, self.grid_lookup)
 
     # --- params -------------------------------------------------------------------------------
-    def default_params(self, distance_shaping: float = 0.0, noop_penalty: float = 0.0) -> SokobanParams:
+    def default_params(self, distance_shaping: float = 0.0, noop_penalty: float = 0.0,
+                       description_reward: float = 0.0) -> SokobanParams:
         """``distance_shaping`` c adds ``c * (d_before - d_after)`` to each step's reward, ``d`` the boxes'
         distance to the nearest free targets (``box_target_distance``); ``noop_penalty`` c subtracts c
-        from a step that moved nothing. Both 0: gym-sokoban's (RAGEN's) rewards exactly."""
-        for name, value in (("distance_shaping", distance_shaping), ("noop_penalty", noop_penalty)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"sokoban: {name}={value!r} must be a number >= 0 (0 = off).")
+        from a step that moved nothing; ``description_reward`` c pays c for a reply whose reasoning opens
+        with the board's exact description (``reasoning_reward``). All 0: gym-sokoban's (RAGEN's) rewards
+        exactly."""
+        for name, value in (("distance_shaping", distance_shaping), ("noop_penalty", noop_penalty),
+                            ("description_reward", description_reward)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"sokoban: {name}={value!r} must be a finite number >= 0 (0 = off).")
         return SokobanParams(max_steps_in_episode=jnp.asarray(self.max_steps, jnp.int32),
-                             distance_shaping=jnp.float32(distance_shaping), noop_penalty=jnp.float32(noop_penalty))
+                             distance_shaping=jnp.float32(distance_shaping), noop_penalty=jnp.float32(noop_penalty),
+                             description_reward=jnp.float32(description_reward))
 
     # --- generation (environments.sokoban.levels) ------------------------------------------------
     def generate(self, key: chex.PRNGKey) -> Level:
@@ -265,6 +277,61 @@ class Sokoban(Environment):
         if fmt in ("coord", "grid_coord"):
             return COORD_INSTRUCTION.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
         return INSTRUCTION
+
+    # --- a reward for reading the board right ---------------------------------------------------
+    def description_bytes(self, state: SokobanState) -> tuple[chex.Array, chex.Array]:
+        """The board's description as the expert's reasoning opens (``sokoban_reasoning``), up to and
+        including its first ``;``: "The player is at (1, 1), the box at (2, 2) and the target at (3, 4);"
+        — the first box and the first target in row-major order, as the expert names them; a clause is
+        left out when there is no such cell. -> ``(uint8 [description_width], int32 [] length)``, built
+        on device."""
+        digits = len(str(max(self.dim_room) - 1))
+
+        def masked(segment, when=True):  # a segment, left out (length 0) where ``when`` is False
+            data, n = segment
+            return data, jnp.where(when, n, 0)
+
+        def text(literal: str, when=True):
+            return masked(text_match.literal(literal), when)
+
+        def cell(rc, when=True):  # "(r, c)"
+            return [masked(segment, when) for segment in (
+                text_match.literal("("), text_match.decimal(rc[0], digits), text_match.literal(", "),
+                text_match.decimal(rc[1], digits), text_match.literal(")"))]
+
+        def first(mask):  # the first True cell of a [rows, cols] mask in row-major order, and whether any
+            flat = mask.reshape(-1)
+            i = jnp.argmax(flat)
+            return jnp.stack([i // self.dim_room[1], i % self.dim_room[1]]), jnp.any(flat)
+
+        box, has_box = first((state.grid == BOX) | (state.grid == BOX_ON_TARGET))
+        target, has_target = first(state.room_fixed == TARGET)
+        parts = [text("The player is at "), *cell(state.player), text(", the box at ", has_box), *cell(box, has_box),
+                 text(" and the target at ", has_target), *cell(target, has_target), text(";")]
+        return text_match.concat(parts, self.description_width)
+
+    @property
+    def description_width(self) -> int:
+        """The longest description ``description_bytes`` can build."""
+        cell = len("(, )") + 2 * len(str(max(self.dim_room) - 1))
+        return len("The player is at , the box at  and the target at ;") + 3 * cell
+
+    def gives_reasoning_reward(self, params: SokobanParams) -> bool:
+        """False only for a concrete ``description_reward`` of 0 (the default: no description is built)."""
+        bonus = params.description_reward
+        return isinstance(bonus, jax.core.Tracer) or bool(np.any(np.asarray(bonus) != 0))
+
+    def reasoning_reward(self, state: SokobanState, reasoning: chex.Array, n: chex.Array,
+                         params: SokobanParams) -> chex.Array:
+        """``description_reward`` when the reasoning (``uint8 [W]``, the reply after its forced opening;
+        ``n`` bytes) opens with the board's exact description (``description_bytes``), else 0.
+
+        Ours, not the original's (off by default): outcome rewards alone let StarPO wear the reading of
+        the board away (docs/experiments.md); with ``train_env`` it shapes training only, validation
+        keeping RAGEN's rewards.
+        """
+        text, length = self.description_bytes(state)
+        return jnp.where(text_match.starts_with(reasoning, n, text, length), params.description_reward, 0.0)
 
     # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):

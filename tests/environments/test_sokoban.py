@@ -394,3 +394,71 @@ def test_reward_shaping_hand_worked():
     assert float(r) == pytest.approx(-0.1)
     with pytest.raises(ValueError, match="noop_penalty"):
         env.default_params(noop_penalty=-1.0)
+
+
+# --- a reward for reading the board right ----------------------------------------------------------
+
+def _host_description(state) -> str:
+    """The expert's host-side sentence (Python formatting, NumPy's row-major argwhere) up to its first ``;``."""
+    from environments.sokoban.expert import sokoban_reasoning
+    from environments.sokoban.levels import BOX, BOX_ON_TARGET, TARGET
+
+    s = jax.tree.map(np.asarray, state)
+    boxes = np.argwhere((s.grid == BOX) | (s.grid == BOX_ON_TARGET))
+    return sokoban_reasoning(s.player, boxes, np.argwhere(s.room_fixed == TARGET), "Up").split(";")[0] + ";"
+
+
+@pytest.mark.parametrize("dim, boxes", [((6, 6), 1), ((7, 7), 2)])
+def test_description_bytes_spell_the_experts_description(dim, boxes):
+    """On device, the board's description equals the expert's sentence up to its first ``;`` on 32
+    generated levels; with two boxes it names the first box and target in row-major order, as the expert."""
+    env = Sokoban(dim_room=dim, num_boxes=boxes)
+    _, states = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(jax.random.split(jax.random.key(5), 32),
+                                                                 env.default_params())
+    text, n = jax.jit(jax.vmap(env.description_bytes))(states)
+    for b in range(32):
+        state = jax.tree.map(lambda x: x[b], states)
+        assert bytes(np.asarray(text[b])[: int(n[b])].tolist()).decode() == _host_description(state)
+    assert int(n.max()) <= env.description_width
+
+
+def test_description_of_a_hand_made_room_with_two_digit_cells_and_a_box_on_target():
+    """12×12 with targets at (1, 1) and (10, 10): a box on the first (code 3), a second box at (5, 5),
+    the player on the second (code 6) — cells of two digits, and codes 3 / 6 read as box / player."""
+    env = Sokoban(dim_room=(12, 12), num_boxes=2)
+    fixed = np.ones((12, 12), np.int8)
+    fixed[0, :] = fixed[-1, :] = fixed[:, 0] = fixed[:, -1] = 0
+    fixed[1, 1] = fixed[10, 10] = 2
+    grid = fixed.copy()
+    grid[1, 1], grid[5, 5], grid[10, 10] = 3, 4, 6
+    state = SokobanState(time=jnp.int32(0), room_fixed=jnp.asarray(fixed), grid=jnp.asarray(grid),
+                         player=jnp.array([10, 10], jnp.int32), boxes_on_target=jnp.int32(1))
+    text, n = env.description_bytes(state)
+    expected = "The player is at (10, 10), the box at (1, 1) and the target at (1, 1);"
+    assert _host_description(state) == expected
+    assert bytes(np.asarray(text)[: int(n)].tolist()).decode() == expected
+    assert int(n) <= env.description_width
+
+
+def test_reasoning_reward_pays_only_an_exact_description(env):
+    _, s = env.reset(jax.random.key(0), env.default_params())
+    paid = env.default_params(description_reward=0.5)
+    right = _host_description(s)[:-1] + "; I move Up.</think><answer>Up</answer>"
+    assert right.startswith("The player is at (4, 2), the box at (3, 3) and the target at (1, 3);")
+    wrong_box = right.replace("box at (3, 3)", "box at (3, 2)")
+    longer = right.split(";")[0] + ", (9, 9);"  # a prefix of the description is not the description
+
+    def reward(text, n=None, params=paid):
+        data = np.zeros(96, np.uint8)
+        raw = np.frombuffer(text.encode()[:96], np.uint8)
+        data[: len(raw)] = raw
+        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(len(raw) if n is None else n), params))
+
+    assert reward(right) == 0.5
+    assert reward(wrong_box) == 0.0 and reward(longer) == 0.0
+    assert reward(right, n=30) == 0.0  # the reply ends inside the description
+    assert reward(right, params=env.default_params()) == 0.0  # off by default (RAGEN's rewards)
+    assert env.gives_reasoning_reward(paid) and not env.gives_reasoning_reward(env.default_params())
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="description_reward"):
+            env.default_params(description_reward=bad)
