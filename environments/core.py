@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from environments import text_match
+
 OBSERVATION_FORMATS = ("grid", "coord", "grid_coord")
 
 
@@ -146,6 +148,25 @@ class AgentFacing:
         the state the reply answered. The base class gives none; an environment that grades what the
         reply says about its state overrides this (FrozenLake: ``description_reward``)."""
         return jnp.float32(0.0)
+
+    # --- what the reasoning says about the state (optional) -----------------------------------
+    def description_bytes(self, state):
+        """The state's exact description as the expert's reasoning opens with it, built on device:
+        ``(uint8 [W] zero-padded, int32 [] length)``. Environments whose expert describes what it sees
+        override this (FrozenLake, Sokoban); ``describes_state`` and their ``reasoning_reward`` read it."""
+        raise NotImplementedError(f"environment {self.name!r} has no state description")
+
+    @classmethod
+    def has_description(cls) -> bool:
+        return cls.description_bytes is not AgentFacing.description_bytes
+
+    def describes_state(self, state, reasoning, n):
+        """bool []: the reasoning (``uint8 [W]``, ``n`` bytes, the reply after its forced opening) opens
+        with the exact description of ``state`` (``description_bytes``) — the rollout logs the share of
+        such turns (``describes_state``), which shows whether training keeps the reading of the state
+        the warm-up taught or wears it away."""
+        text, length = self.description_bytes(state)
+        return text_match.starts_with(reasoning, n, text, length)
 
     def gives_reasoning_reward(self, params) -> bool:
         """Whether ``reasoning_reward`` can be non-zero under ``params``: the rollout skips the call (and its

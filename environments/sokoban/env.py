@@ -330,8 +330,7 @@ class Sokoban(Environment):
         the board away (docs/experiments.md); with ``train_env`` it shapes training only, validation
         keeping RAGEN's rewards.
         """
-        text, length = self.description_bytes(state)
-        return jnp.where(text_match.starts_with(reasoning, n, text, length), params.description_reward, 0.0)
+        return jnp.where(self.describes_state(state, reasoning, n), params.description_reward, 0.0)
 
     # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):

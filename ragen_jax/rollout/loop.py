@@ -397,6 +397,7 @@ class Rollout:
 
         parsed, reasoning_end, rbytes, nbytes = self._parse(reply, rlen, prompt_end)
         reasoning_reward = self._reasoning_reward(carry.state, rbytes, nbytes, active)
+        describes = self._describes_state(carry.state, rbytes, nbytes, active)
         state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
 
         stepped = active & (parsed.n_valid > 0)
@@ -419,6 +420,8 @@ class Rollout:
             context_start=context_start,
             anchor=jnp.where(active, block.anchor, jnp.uint32(0)), cut=active & ~stopped,
         )
+        if describes is not None:
+            per_turn["describes"] = describes
         return new, per_turn
 
     def _user_block(self, carry: TurnCarry, t) -> UserBlock:
@@ -504,6 +507,16 @@ class Rollout:
             state, rbytes[:, k:], jnp.maximum(nbytes - k, 0))
         return jnp.where(active, r, 0.0).astype(jnp.float32)
 
+    def _describes_state(self, state, rbytes, nbytes, active):
+        """Whether each reply's reasoning opens with the exact description of the state it answered
+        (``AgentFacing.describes_state``): bool [B], False on inactive rows; None for an environment
+        without a description."""
+        if not self.env.has_description():
+            return None
+        k = self.prefix_bytes
+        d = jax.vmap(self.env.describes_state)(state, rbytes[:, k:], jnp.maximum(nbytes - k, 0))
+        return active & d
+
     def _step_envs(self, env_keys, carry: TurnCarry, parsed, active):
         """The parsed actions, one slot at a time (``lax.scan``), each masked by validity, the
         episode's action budget and termination. -> ``(state, num_actions, env_done, reward sum,
@@ -576,6 +589,7 @@ class Rollout:
             context_start=pt["context_start"],
             turn_state_hash=pt["anchor"],
             turn_reply_cut=pt["cut"],
+            turn_describes_state=pt.get("describes"),
         )
 
 

@@ -71,6 +71,9 @@ class Trajectory:
     # float32 [B] ReMax's baseline: the return of a greedy episode from the row's start state
     # (``RolloutConfig.greedy_baseline``).
     reward_baseline: chex.Array | None = None
+    # bool [B, T] the turn's reasoning opens with the exact description of the state it answered
+    # (``AgentFacing.describes_state``); None for an environment without a description.
+    turn_describes_state: chex.Array | None = None
 
     @property
     def batch_size(self) -> int:

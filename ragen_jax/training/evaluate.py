@@ -35,6 +35,7 @@ from ragen_jax.rollout.remote import ChatClient
 from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
 from ragen_jax.training.build import build_env, build_tokenizer
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
+from ragen_jax.training.metrics import describes_state_rates
 from ragen_jax.training.run import setup
 from ragen_jax.training.workdir import WorkdirLock, check_eval_workdir, explain_mismatch
 
@@ -80,7 +81,7 @@ class Evaluator:
         fields = ("success", "episode_return", "num_turns", "valid_action_rate", "effective_action_rate",
                   "response_length", "truncated")
         columns = {f: [] for f in fields}
-        records, failed = [], []
+        records, failed, describes = [], [], []
         remote = self.rollout.remote
         for c in range(self.num_chunks):
             keys = self.env_keys[c * rows:(c + 1) * rows]
@@ -89,6 +90,8 @@ class Evaluator:
             traj = self.placement.fetch(traj) if self.placement is not None else jax.device_get(traj)
             for f in fields:
                 columns[f].append(getattr(traj, f))
+            if traj.turn_describes_state is not None:
+                describes.append((np.asarray(traj.turn_describes_state), np.asarray(traj.turn_mask)))
             errors = dict(remote.errors) if remote is not None else {}
             failed.append(np.asarray([b in errors for b in range(rows)]))
             if jsonl_path is not None or messages_path is not None:
@@ -108,6 +111,9 @@ class Evaluator:
             "val/truncated": float(col["truncated"].mean()),
             "timing_s/eval": time.time() - t0,
         }
+        if describes:
+            rates = describes_state_rates(*(np.concatenate(x)[:n] for x in zip(*describes)))
+            metrics.update({f"val/{k}": float(v) for k, v in rates.items()})
         if remote is not None:
             metrics["api/failed_episodes"] = float(np.concatenate(failed)[:n].sum())
         # The transcripts file holds the text, the messages file the same episodes as chat messages.

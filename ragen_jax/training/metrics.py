@@ -26,7 +26,7 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
     groups = success.reshape(-1, group_size)
     returns = traj.episode_return.reshape(-1, group_size)
     ddof = 1 if group_size > 1 else 0
-    return {
+    metrics = {
         "success": success.mean(),
         f"pass_at_{group_size}": groups.max(axis=1).mean(),
         "return": traj.episode_return.mean(),
@@ -48,6 +48,19 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
         # Episodes ended by rollout.max_seq_len before their last turn (the trainer warns).
         "truncated": (jnp.zeros(()) if traj.truncated is None else traj.truncated.astype(jnp.float32).mean()),
     }
+    if traj.turn_describes_state is not None:
+        metrics.update(describes_state_rates(traj.turn_describes_state, traj.turn_mask))
+    return metrics
+
+
+def describes_state_rates(describes, turn_mask) -> dict:
+    """The share of turns whose reasoning opens with the exact description of their state, over all
+    turns that took place (``describes_state``) and over first turns (``first_turn_describes_state``).
+    describes, turn_mask bool [B, T] (NumPy or jax arrays)."""
+    xp = jnp if isinstance(describes, jax.Array) else np
+    d, m = xp.asarray(describes) & xp.asarray(turn_mask), xp.asarray(turn_mask)
+    return {"describes_state": d.sum() / xp.maximum(m.sum(), 1),
+            "first_turn_describes_state": d[:, 0].sum() / xp.maximum(m[:, 0].sum(), 1)}
 
 
 def _window_length_max(traj: Trajectory) -> jax.Array:

@@ -379,6 +379,13 @@ def test_rollout_metrics_against_numpy():
     assert set(m) == set(want)
     for k, v in want.items():
         assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    # With a state description: turns that describe their state over turns that took place (row 2's
+    # third turn did not: its True is not counted), and over first turns.
+    describes = np.zeros((B, T), bool)
+    describes[[0, 0, 1, 2, 3], [0, 1, 0, 2, 2]] = True
+    m = {k: float(v) for k, v in rollout_metrics(traj.replace(turn_describes_state=arr(describes)), 2).items()}
+    assert m["describes_state"] == pytest.approx(4 / 17) and m["first_turn_describes_state"] == pytest.approx(2 / 6)
+    assert set(m) == set(want) | {"describes_state", "first_turn_describes_state"}
 
 
 @pytest.mark.slow

@@ -72,7 +72,8 @@ def test_smoke_metrics_checkpoints_transcripts(straight_run):
                 "collapse/first_turn_valid_rate", "collapse_first_turn_sample/computed",
                 "collapse_first_turn_sample/num_prompts", "early_stop/reward_variance_collapse",
                 "early_stop/mi_collapse", "timing_s/rollout", "timing_s/update", "timing_s/tokens_per_s", "val/success",
-                "warmup/loss", "warmup/reading_accuracy"):
+                "warmup/loss", "warmup/reading_accuracy", "train/describes_state", "val/describes_state",
+                "val/first_turn_describes_state"):
         assert key in events, key
     # Three BC steps do not teach this model the reply format, so no first-turn reasoning parses and
     # the MI proxy has nothing to score: it reports that (computed 0, no prompts) and logs no

@@ -488,3 +488,10 @@ def test_expert_replies_earn_the_description_reward_through_the_rollout(setup):
     np.testing.assert_allclose(np.asarray(traj.turn_rewards), np.asarray(plain.turn_rewards) + 0.5 * mask)
     np.testing.assert_allclose(np.asarray(traj.episode_return), np.asarray(plain.episode_return) + 0.5 * mask.sum(1))
     np.testing.assert_array_equal(np.asarray(traj.tokens), np.asarray(plain.tokens))  # the prompts do not change
+    # Every expert turn describes its state exactly (describes_state counts such turns, reward or not);
+    # the same replies on other boards do not (each row answers the board of the row after it).
+    np.testing.assert_array_equal(np.asarray(plain.turn_describes_state), mask)
+    shifted = ForcedReplies(tokens=np.roll(np.asarray(forced.tokens), 1, axis=0),
+                            lengths=np.roll(np.asarray(forced.lengths), 1, axis=0))
+    other = rollout.run(params, keys, jax.random.key(8), shifted)
+    assert np.asarray(other.turn_describes_state)[:, 0].sum() < len(keys)
