@@ -204,6 +204,29 @@ class AgentFacing:
         return nst, r, term, trunc, info
 
 
+class DescriptionReward:
+    """For an environment with a state description (``description_bytes``) and a ``description_reward``
+    param (ours, off by default): that reward for a turn whose reasoning opens with the exact
+    description of the state it answered (``reasoning_reward``). Put before the base class:
+    ``class FrozenLake(DescriptionReward, Environment)``."""
+
+    def gives_reasoning_reward(self, params) -> bool:
+        """False only for a concrete ``description_reward`` of 0 (the default: no description is built)."""
+        bonus = params.description_reward
+        return isinstance(bonus, jax.core.Tracer) or bool(np.any(np.asarray(bonus) != 0))
+
+    def reasoning_reward(self, state, reasoning, n, params):
+        """``description_reward`` when the reasoning (``uint8 [W]``, the reply after its forced opening;
+        ``n`` bytes) opens with the state's exact description (``describes_state``), else 0.
+
+        Ours, not the original's: a reward on what the reply says it sees, which grades the reading of
+        a board whose episode fails either way, and holds it against outcome rewards that would wear
+        it away (docs/experiments.md); with ``train_env`` it shapes training only, validation keeping
+        RAGEN's rewards.
+        """
+        return jnp.where(self.describes_state(state, reasoning, n), params.description_reward, 0.0)
+
+
 class Environment(AgentFacing, abc.ABC):
     """Base class. Subclasses implement ``reset_env``, ``step_env``, ``observation`` and the renders."""
 

@@ -10,7 +10,7 @@ Bytes are ASCII: ``\\s`` is ``[ \\t\\n\\r\\f\\v]`` and ``\\d`` is ``[0-9]`` (Pyt
 would also accept Unicode spaces and digits). A captured number of more than ``MAX_DIGITS`` digits
 reads as ``HUGE``.
 
-``literal`` / ``decimal`` / ``concat`` / ``starts_with`` build a text of data-dependent length and
+``literal`` / ``decimal`` / ``cell`` / ``masked`` / ``concat`` / ``starts_with`` build a text of data-dependent length and
 compare another with it (an environment's reward for a reply that states what it sees).
 """
 from __future__ import annotations
@@ -125,6 +125,18 @@ def decimal(value: chex.Array, max_digits: int) -> tuple[chex.Array, chex.Array]
     # Drop the leading zeros: the last n of the max_digits digits, moved to the front.
     shifted = jnp.take(digits, jnp.clip(jnp.arange(max_digits) + max_digits - n, 0, max_digits - 1))
     return (shifted + ord("0")).astype(jnp.uint8), n.astype(jnp.int32)
+
+
+def masked(segment, when) -> tuple[chex.Array, chex.Array]:
+    """``segment`` where ``when`` (bool []), else left out (its length 0)."""
+    data, n = segment
+    return data, jnp.where(when, n, 0)
+
+
+def cell(rc: chex.Array, max_digits: int, when=True) -> list:
+    """A grid cell as the experts' sentences name it, "(r, c)", as segments (left out where not ``when``)."""
+    return [masked(segment, when) for segment in (literal("("), decimal(rc[0], max_digits), literal(", "),
+                                                  decimal(rc[1], max_digits), literal(")"))]
 
 
 def concat(segments, width: int) -> tuple[chex.Array, chex.Array]:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from environments import render, text_match
-from environments.core import EnvParams, EnvState, Environment
+from environments.core import DescriptionReward, EnvParams, EnvState, Environment
 from environments.frozen_lake import expert as frozen_lake_expert
 from environments.hashing import expand_words
 
@@ -294,7 +294,7 @@ def _validate_lookup(grid_lookup: Mapping[int, str] | None, grid_vocab: Mapping[
     return lookup, vocab
 
 
-class FrozenLake(Environment):
+class FrozenLake(DescriptionReward, Environment):
     """RAGEN's FrozenLake: random valid maps, slippery moves, text renders.
 
     Static (shapes / tables): ``size``, ``observation_format``, ``grid_lookup``, ``grid_vocab``,
@@ -544,16 +544,11 @@ class FrozenLake(Environment):
         (``after_move``). -> ``(uint8 [description_width], int32 [] length)``, built on device."""
         digits = len(str(self.size - 1))
 
-        def text(literal: str, when=True):  # a literal segment, left out (length 0) where ``when`` is False
-            data, n = text_match.literal(literal)
-            return data, jnp.where(when, n, 0)
+        def text(literal: str, when=True):
+            return text_match.masked(text_match.literal(literal), when)
 
-        def cell(rc):  # "(r, c)"
-            return [text("("), text_match.decimal(rc[0], digits), text(", "), text_match.decimal(rc[1], digits),
-                    text(")")]
-
-        def masked(segments, when):
-            return [(data, jnp.where(when, n, 0)) for data, n in segments]
+        def cell(rc, when=True):  # "(r, c)"
+            return text_match.cell(rc, digits, when)
 
         parts = [text("The player is at "), *cell(state.pos), text(" and the goal at "), *cell(state.goal)]
         if self.expert_reasoning == "before_move":
@@ -565,7 +560,7 @@ class FrozenLake(Environment):
             count, before = jnp.sum(near), jnp.cumsum(near) - near  # holes named before each
             parts += [text(", no hole near", count == 0), text(", hole at ", count == 1), text(", holes at ", count > 1)]
             for k in range(4):
-                parts += [text(", ", near[k] & (before[k] > 0)), *masked(cell(cells[k]), near[k])]
+                parts += [text(", ", near[k] & (before[k] > 0)), *cell(cells[k], near[k])]
         parts.append(text(";"))
         return text_match.concat(parts, self.description_width)
 
@@ -574,22 +569,6 @@ class FrozenLake(Environment):
         """The longest description ``description_bytes`` can build (four holes named)."""
         cell = len("(, )") + 2 * len(str(self.size - 1))
         return len("The player is at  and the goal at , holes at ;") + 6 * cell + 3 * len(", ")
-
-    def gives_reasoning_reward(self, params: FrozenLakeParams) -> bool:
-        """False only for a concrete ``description_reward`` of 0 (the default: no description is built)."""
-        bonus = params.description_reward
-        return isinstance(bonus, jax.core.Tracer) or bool(np.any(np.asarray(bonus) != 0))
-
-    def reasoning_reward(self, state: FrozenLakeState, reasoning: chex.Array, n: chex.Array,
-                         params: FrozenLakeParams) -> chex.Array:
-        """``description_reward`` when the reasoning (``uint8 [W]``, the reply after its forced opening;
-        ``n`` bytes) opens with the board's exact description (``description_bytes``), else 0.
-
-        Ours, not the original's (off by default): a reward on what the reply says it sees, which
-        grades the reading of a board whose episode fails either way; with ``train_env`` it shapes
-        training only, validation keeping RAGEN's rewards.
-        """
-        return jnp.where(self.describes_state(state, reasoning, n), params.description_reward, 0.0)
 
     # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):

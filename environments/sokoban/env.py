@@ -25,10 +25,9 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from environments import text_match
-from environments.core import EnvParams, EnvState, Environment
+from environments.core import DescriptionReward, EnvParams, EnvState, Environment
 from environments.sokoban import expert as sokoban_expert
 from environments.sokoban.levels import (BOX, BOX_ON_TARGET, FLOOR, MOVES, PLAYER, PLAYER_ON_TARGET, TARGET, WALL,
                                          Level, LevelGenerator, fallback_room)
@@ -93,7 +92,7 @@ def box_target_distance(grid: chex.Array, room_fixed: chex.Array) -> chex.Array:
     return jnp.sum(jnp.where(box, nearest, 0)).astype(jnp.float32)
 
 
-class Sokoban(Environment):
+class Sokoban(DescriptionReward, Environment):
     """RAGEN's Sokoban (see the module docstring).
 
     Args (all static):
@@ -287,17 +286,11 @@ class Sokoban(Environment):
         on device."""
         digits = len(str(max(self.dim_room) - 1))
 
-        def masked(segment, when=True):  # a segment, left out (length 0) where ``when`` is False
-            data, n = segment
-            return data, jnp.where(when, n, 0)
-
         def text(literal: str, when=True):
-            return masked(text_match.literal(literal), when)
+            return text_match.masked(text_match.literal(literal), when)
 
         def cell(rc, when=True):  # "(r, c)"
-            return [masked(segment, when) for segment in (
-                text_match.literal("("), text_match.decimal(rc[0], digits), text_match.literal(", "),
-                text_match.decimal(rc[1], digits), text_match.literal(")"))]
+            return text_match.cell(rc, digits, when)
 
         def first(mask):  # the first True cell of a [rows, cols] mask in row-major order, and whether any
             flat = mask.reshape(-1)
@@ -315,22 +308,6 @@ class Sokoban(Environment):
         """The longest description ``description_bytes`` can build."""
         cell = len("(, )") + 2 * len(str(max(self.dim_room) - 1))
         return len("The player is at , the box at  and the target at ;") + 3 * cell
-
-    def gives_reasoning_reward(self, params: SokobanParams) -> bool:
-        """False only for a concrete ``description_reward`` of 0 (the default: no description is built)."""
-        bonus = params.description_reward
-        return isinstance(bonus, jax.core.Tracer) or bool(np.any(np.asarray(bonus) != 0))
-
-    def reasoning_reward(self, state: SokobanState, reasoning: chex.Array, n: chex.Array,
-                         params: SokobanParams) -> chex.Array:
-        """``description_reward`` when the reasoning (``uint8 [W]``, the reply after its forced opening;
-        ``n`` bytes) opens with the board's exact description (``description_bytes``), else 0.
-
-        Ours, not the original's (off by default): outcome rewards alone let StarPO wear the reading of
-        the board away (docs/experiments.md); with ``train_env`` it shapes training only, validation
-        keeping RAGEN's rewards.
-        """
-        return jnp.where(self.describes_state(state, reasoning, n), params.description_reward, 0.0)
 
     # --- the warm-up's expert ------------------------------------------------------------------
     def expert(self, state, params):
