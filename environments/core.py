@@ -135,9 +135,7 @@ class AgentFacing:
         if self.parse_action is None:
             return {n.lower(): i for i, n in enumerate(self.action_names)}[text.lower()]
         data = text.encode("utf-8")
-        width = int(self.max_action_bytes or max(len(data), 1))
-        buf = np.zeros((width,), np.uint8)
-        buf[: min(len(data), width)] = np.frombuffer(data[:width], np.uint8)
+        buf, _ = text_match.encode(text, int(self.max_action_bytes or max(len(data), 1)))
         action, _ = _jitted_parse(self)(jnp.asarray(buf), jnp.int32(len(data)))
         return action
 

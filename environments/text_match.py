@@ -109,6 +109,15 @@ class Scanner:
 # --- building a text -------------------------------------------------------------------------------
 
 
+def encode(text: str, width: int) -> tuple[np.ndarray, int]:
+    """Host side: ``text``'s UTF-8 bytes cut to ``width``, as the buffers above take them:
+    ``(uint8 [width] zero-padded, byte count)``."""
+    data = text.encode("utf-8")[:width]
+    buf = np.zeros((width,), np.uint8)
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
+    return buf, len(data)
+
+
 def literal(text: str) -> tuple[chex.Array, chex.Array]:
     """An ASCII literal as a segment: ``(uint8 [len], int32 [] len)``."""
     data = np.frombuffer(text.encode("ascii"), np.uint8)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from environments import make, render
+from environments import make, render, text_match
 from environments.frozen_lake.env import FrozenLake, FrozenLakeParams, FrozenLakeState, check_params
 from tests.environments import reference_frozen_lake as ref
 
@@ -454,10 +454,8 @@ def test_reasoning_reward_pays_only_an_exact_description():
     longer = right.split(";")[0] + ", (9, 9);"  # a prefix of the description is not the description
 
     def reward(text, n=None, params=ep):
-        data = np.zeros(80, np.uint8)
-        raw = np.frombuffer(text.encode()[:80], np.uint8)
-        data[: len(raw)] = raw
-        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(len(raw) if n is None else n), params))
+        data, size = text_match.encode(text, 80)
+        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(size if n is None else n), params))
 
     assert reward(right) == 0.25
     assert reward(wrong_hole) == 0.0 and reward(longer) == 0.0

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from environments import render
+from environments import render, text_match
 from environments.sokoban import Sokoban, SokobanState
 from environments.sokoban.levels import fallback_room
 from environments.sokoban.expert import solve_sokoban
@@ -449,10 +449,8 @@ def test_reasoning_reward_pays_only_an_exact_description(env):
     longer = right.split(";")[0] + ", (9, 9);"  # a prefix of the description is not the description
 
     def reward(text, n=None, params=paid):
-        data = np.zeros(96, np.uint8)
-        raw = np.frombuffer(text.encode()[:96], np.uint8)
-        data[: len(raw)] = raw
-        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(len(raw) if n is None else n), params))
+        data, size = text_match.encode(text, 96)
+        return float(env.reasoning_reward(s, jnp.asarray(data), jnp.int32(size if n is None else n), params))
 
     assert reward(right) == 0.5
     assert reward(wrong_box) == 0.0 and reward(longer) == 0.0

@@ -34,12 +34,17 @@ def test_concat_joins_the_used_part_of_each_segment_and_cuts_at_width():
 def test_starts_with_needs_the_whole_prefix_inside_the_text():
     prefix, m = text_match.concat([text_match.literal("The cell (1, 2);")], 24)
     def check(text, n=None):
-        data = np.zeros(40, np.uint8)
-        raw = np.frombuffer(text.encode(), np.uint8)
-        data[: len(raw)] = raw
-        return bool(text_match.starts_with(jnp.asarray(data), jnp.int32(len(raw) if n is None else n), prefix, m))
+        data, size = text_match.encode(text, 40)
+        return bool(text_match.starts_with(jnp.asarray(data), jnp.int32(size if n is None else n), prefix, m))
     assert check("The cell (1, 2); moving Up")
     assert not check("The cell (1, 3); moving Up") and not check("the cell (1, 2);")
     assert not check("The cell (1, 2); moving Up", n=10)  # the text ends before the prefix does
     short = np.frombuffer(b"The cell", np.uint8)
     assert not bool(text_match.starts_with(jnp.asarray(short), jnp.int32(8), prefix, m))  # shorter than W
+
+
+def test_encode_pads_and_cuts_at_width():
+    data, n = text_match.encode("Up é", 8)  # "é" is two UTF-8 bytes
+    assert n == 5 and data.dtype == np.uint8 and bytes(data[:n]) == "Up é".encode() and not data[n:].any()
+    data, n = text_match.encode("Right || Up", 5)
+    assert n == 5 and bytes(data) == b"Right"
