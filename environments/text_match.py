@@ -10,8 +10,9 @@ Bytes are ASCII: ``\\s`` is ``[ \\t\\n\\r\\f\\v]`` and ``\\d`` is ``[0-9]`` (Pyt
 would also accept Unicode spaces and digits). A captured number of more than ``MAX_DIGITS`` digits
 reads as ``HUGE``.
 
-``literal`` / ``decimal`` / ``cell`` / ``masked`` / ``concat`` / ``starts_with`` build a text of data-dependent length and
-compare another with it (an environment's reward for a reply that states what it sees).
+``literal`` / ``decimal`` / ``cell`` / ``masked`` / ``concat`` / ``starts_with`` build a text of
+data-dependent length and compare another with it (whether a reply states what it sees); ``encode``
+is the host side's text -> buffer.
 """
 from __future__ import annotations
 

@@ -536,7 +536,7 @@ class FrozenLake(DescriptionReward, Environment):
             text = INSTRUCTION
         return text if self.slips(params) else text.replace(" " + SLIPPERY, "")
 
-    # --- a reward for reading the board right ---------------------------------------------------
+    # --- the board's description (what reasoning that reads the board right opens with) -----------
     def description_bytes(self, state: FrozenLakeState) -> tuple[chex.Array, chex.Array]:
         """The board's description as the expert's reasoning opens (``expert_reasoning``'s style), up
         to and including its first ``;``: "The player is at (3, 3) and the goal at (0, 0), hole at

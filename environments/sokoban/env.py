@@ -18,9 +18,8 @@ box, 5 player, 6 player on target), so the observation is the state itself; ``ro
 """
 from __future__ import annotations
 
-from typing import Mapping
-
 import math
+from typing import Mapping
 
 import chex
 import jax
@@ -277,7 +276,7 @@ class Sokoban(DescriptionReward, Environment):
             return COORD_INSTRUCTION.format(last_row=board_shape[0] - 1, last_col=board_shape[1] - 1)
         return INSTRUCTION
 
-    # --- a reward for reading the board right ---------------------------------------------------
+    # --- the board's description (what reasoning that reads the board right opens with) -----------
     def description_bytes(self, state: SokobanState) -> tuple[chex.Array, chex.Array]:
         """The board's description as the expert's reasoning opens (``sokoban_reasoning``), up to and
         including its first ``;``: "The player is at (1, 1), the box at (2, 2) and the target at (3, 4);"
