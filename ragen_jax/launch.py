@@ -21,7 +21,7 @@ Cloud TPU), name the coordinator:
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before JAX is imported: a restart with huge pages (malloc_tuning)
+if __name__ == "__main__":  # first, before JAX is imported: the opt-in restart with huge pages (malloc_tuning)
     from ragen_jax.malloc_tuning import reexec_with_huge_pages
 
     reexec_with_huge_pages()

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # huge pages for XLA's step buffers, as the launcher does (ragen_jax.malloc_tuning)
+if __name__ == "__main__":  # the launcher's opt-in restart with huge pages (ragen_jax.malloc_tuning)
     from ragen_jax.malloc_tuning import reexec_with_huge_pages
 
     reexec_with_huge_pages()
