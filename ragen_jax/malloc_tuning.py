@@ -11,7 +11,7 @@ programs with and without the tunable, identical numbers step for step:
   million with, 18% less CPU time with it;
 - later on the same VM: FrozenLake's warm-up (300 first-turn + 100 conversation steps) 283 vs 276
   CPU seconds (even); its StarPO update 1.24 s vs 1.37 s a step (10% slower with); Sokoban's StarPO
-  update (1,024-token rows) **2.8 s vs 4.8–5.1 s** a step, two thirds of all CPU time spent in the kernel
+  update **2.8 s vs 4.8–5.1 s** a step, two thirds of all CPU time spent in the kernel
   zeroing huge pages (``clear_page_erms`` under ``perf``).
 
 So processes run as started by default. ``RAGEN_JAX_HUGE_PAGES=1`` opts in: an entry point
