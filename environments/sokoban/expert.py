@@ -102,6 +102,32 @@ def solve_sokoban(room_fixed, room_state, max_states: int = 5_000_000) -> list[i
     return None
 
 
+def parse_grid(rows: list[str], grid_lookup=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(room_fixed, room_state)`` int [rows, cols] of a board shown in the ``grid`` format (one
+    symbol per cell, ``grid_lookup`` code -> symbol, RAGEN's by default): the render read back, for
+    analyses of transcripts. ``room_state`` uses the render codes (6 = player on target)."""
+    from environments.sokoban.render import DEFAULT_GRID_LOOKUP
+
+    codes = {symbol: code for code, symbol in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
+    if any(len(symbol) != 1 for symbol in codes):
+        raise ValueError("parse_grid: needs one character per symbol")
+    if not rows or len({len(row) for row in rows}) != 1:
+        raise ValueError(f"parse_grid: rows of unequal lengths or none: {rows!r}")
+    unknown = sorted({ch for row in rows for ch in row} - set(codes))
+    if unknown:
+        raise ValueError(f"parse_grid: symbols {unknown} are not in the grid lookup {sorted(codes)}")
+    state = np.array([[codes[ch] for ch in row] for row in rows], np.int32)
+    fixed = np.where(state == 0, 0, np.where(np.isin(state, (TARGET, BOX_ON_TARGET, 6)), 2, 1)).astype(np.int32)
+    return fixed, state
+
+
+def shortest_solution_length(rows: list[str], grid_lookup=None) -> int | None:
+    """The fewest actions that solve the board shown in ``rows`` (``grid`` format), ``None`` if
+    it cannot be solved: how hard an evaluation's level is, for ``eval_analysis --by_length``."""
+    solution = solve_sokoban(*parse_grid(rows, grid_lookup))
+    return None if solution is None else len(solution)
+
+
 def sokoban_reasoning(player, boxes, targets, first: str | None) -> str:
     text = f"The player is at {cell_text(player)}"
     if len(boxes):

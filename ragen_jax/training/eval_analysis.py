@@ -1,4 +1,4 @@
-"""Where FrozenLake episodes fail: an analysis of the eval JSONL transcripts.
+"""The eval transcripts analysed: where FrozenLake episodes fail, how often and how hard each puzzle is.
 
     python -m ragen_jax.training.eval_analysis runs/frozen_lake/eval/transcripts.jsonl [--step N]
 
@@ -28,6 +28,15 @@ mean success then and now — where training sharpened (sometimes → always), w
 behaviour (never → solved), and where it lost what the earlier policy could do (→ never).
 
     python -m ragen_jax.training.eval_analysis AFTER.jsonl --before WARMUP.jsonl
+
+``--by_length frozen_lake|sokoban`` adds ``by_solution_length``: the puzzles grouped by the fewest
+actions that solve their first board (FrozenLake: the shortest safe path; Sokoban: BFS over player
+and boxes, ``environments.sokoban.expert``), with each group's success (and, with ``--before``, its
+success then) — which levels training gained or lost. Several files (one per seed, say) pool their
+records; ``--step`` / ``--before_step`` pick an evaluation inside a run's transcripts file:
+
+    python -m ragen_jax.training.eval_analysis runs/sokoban/eval/transcripts.jsonl --step 400 \
+        --before runs/sokoban/eval/transcripts.jsonl --before_step 0 --by_length sokoban
 """
 from __future__ import annotations
 
@@ -41,12 +50,13 @@ MOVES = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
 CATEGORIES = ("malformed", "wrong cells", "invalid", "into a hole", "not nearer", "budget")
 _CELLS = re.compile(r"player is at \((\d+), (\d+)\) and the goal at \((\d+), (\d+)\)")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_BOARD_CHARS = set("P_OGX√")
+_BOARD_CHARS = set("P_OGX√")  # FrozenLake's grid symbols
+SOKOBAN_BOARD_CHARS = set("#_O√XPS")
 
 
-def turns_of(transcript: str) -> list[tuple[list[str], str]]:
+def turns_of(transcript: str, board_chars: set = _BOARD_CHARS) -> list[tuple[list[str], str]]:
     """``[(board rows, reply)]`` per assistant turn; the board is the grid shown in that turn's
-    user message (the last ``State:`` block before the reply)."""
+    user message (the last ``State:`` block before the reply), rows of ``board_chars`` only."""
     parts = transcript.split("<|im_start|>assistant\n")
     out = []
     for before, after in zip(parts[:-1], parts[1:]):
@@ -56,7 +66,7 @@ def turns_of(transcript: str) -> list[tuple[list[str], str]]:
         block = state[1].split("Grid Map: \n")[-1]
         rows = []
         for line in block.split("\n"):
-            if line and set(line) <= _BOARD_CHARS:
+            if line and set(line) <= board_chars:
                 rows.append(line)
             elif rows:
                 break
@@ -208,14 +218,81 @@ def _read_evaluation(path: str, step: int | None) -> tuple[int, list[dict]]:
     return step, chosen
 
 
+def _frozen_lake_length(board: list[str]) -> int | None:
+    player, _, dist = distances(board)
+    return dist.get(player)
+
+
+def _sokoban_length(board: list[str]) -> int | None:
+    from environments.sokoban.expert import shortest_solution_length
+
+    return shortest_solution_length(board)
+
+
+# env -> (the grid's symbols, the fewest actions that solve a board or None)
+SOLUTION_LENGTH = {"frozen_lake": (_BOARD_CHARS, _frozen_lake_length), "sokoban": (SOKOBAN_BOARD_CHARS, _sokoban_length)}
+
+
+def success_by_solution_length(records: list[dict], env: str, before: list[dict] | None = None) -> dict:
+    """The puzzles grouped by the fewest actions that solve their first board.
+
+    ``{length: {"puzzles": n, "success": mean over the group's puzzles of each one's success rate
+    [, "before": the same in ``before``]}}``, lengths ascending, ``"unsolvable"`` last. Raises
+    ValueError for an unknown env, records without ``puzzle`` indices, or a ``before`` with other puzzles.
+    """
+    if env not in SOLUTION_LENGTH:
+        raise ValueError(f"--by_length {env!r}: the solution length is known for {sorted(SOLUTION_LENGTH)}")
+    chars, length_of = SOLUTION_LENGTH[env]
+    if not records or any("puzzle" not in rec for rec in records):
+        raise ValueError("the evaluation has no per-puzzle records (a 'puzzle' index in each line)")
+    boards = {}
+    for rec in records:
+        if rec["puzzle"] not in boards:
+            boards[rec["puzzle"]] = turns_of(rec["transcript"], chars)[0][0]
+    rate = _success_by_puzzle(records)
+    rate_before = None
+    if before is not None:
+        rate_before = _success_by_puzzle(before)
+        if set(rate_before) != set(rate):
+            raise ValueError(f"--before holds other puzzles ({len(rate_before)} against {len(rate)}): evaluate "
+                             "both on the same validation set")
+    groups = collections.defaultdict(list)
+    for p, board in boards.items():
+        length = length_of(board)
+        groups["unsolvable" if length is None else length].append(p)
+    out = {}
+    for length in sorted(groups, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0)):
+        members = groups[length]
+        row = {"puzzles": len(members), "success": sum(rate[p] for p in members) / len(members)}
+        if rate_before is not None:
+            row["before"] = sum(rate_before[p] for p in members) / len(members)
+        out[length] = row
+    return out
+
+
+def _read_evaluations(paths: list[str], step: int | None) -> tuple[int, list[dict]]:
+    """One evaluation (``step``, default each file's last) from every file, pooled; the steps must agree."""
+    read = [_read_evaluation(path, step) for path in paths]
+    steps = {s for s, _ in read}
+    if len(steps) > 1:
+        raise SystemExit(f"{' '.join(paths)}: the files' last evaluations are at different steps {sorted(steps)}; "
+                         "pick one with --step / --before_step")
+    return read[0][0], [rec for _, records in read for rec in records]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("jsonl", help="eval transcripts (runs/<job>/eval/transcripts.jsonl)")
+    parser.add_argument("jsonl", nargs="+", help="eval transcripts (runs/<job>/eval/transcripts.jsonl); several "
+                        "files (one per seed) pool their records")
     parser.add_argument("--step", type=int, default=None, help="only the evaluation at this step (default: the last)")
-    parser.add_argument("--before", default=None,
-                        help="an earlier evaluation of the same puzzles (its last step): adds spread_transitions")
+    parser.add_argument("--before", nargs="+", default=None,
+                        help="an earlier evaluation of the same puzzles: adds spread_transitions")
+    parser.add_argument("--before_step", type=int, default=None,
+                        help="the step of the --before evaluation (default: its last)")
+    parser.add_argument("--by_length", default=None, choices=sorted(SOLUTION_LENGTH),
+                        help="adds by_solution_length: success per fewest-actions solution length")
     args = parser.parse_args(argv)
-    step, chosen = _read_evaluation(args.jsonl, args.step)
+    step, chosen = _read_evaluations(args.jsonl, args.step)
     spread = attempt_spread(chosen)
     try:
         result = analyse(chosen)
@@ -225,12 +302,19 @@ def main(argv=None):
         result = {"episodes": len(chosen), "failure_analysis": f"not run: {e}"}
     if spread is not None:
         result["attempt_spread"] = spread
-    if args.before is not None:
+    before = None if args.before is None else _read_evaluations(args.before, args.before_step)[1]
+    if before is not None:
         try:
-            result["spread_transitions"] = spread_transitions(_read_evaluation(args.before, None)[1], chosen)
+            result["spread_transitions"] = spread_transitions(before, chosen)
         except ValueError as e:
-            raise SystemExit(f"--before {args.before}: {e}") from None
-    print(json.dumps({"step": step, **result}, indent=2))
+            raise SystemExit(f"--before {' '.join(args.before)}: {e}") from None
+    if args.by_length is not None:
+        try:
+            result["by_solution_length"] = success_by_solution_length(chosen, args.by_length, before)
+        except ValueError as e:
+            raise SystemExit(f"--by_length {args.by_length}: {e}") from None
+    result = {"step": step, **result}
+    print(json.dumps(result, indent=2))
     return result
 
 

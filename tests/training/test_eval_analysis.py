@@ -115,3 +115,72 @@ def test_spread_transitions_pair_two_evaluations_of_the_same_puzzles(tmp_path):
     # Different puzzles cannot be paired: a clear error naming the counts.
     with pytest.raises(ValueError, match="different puzzles"):
         eval_analysis.spread_transitions(before, [r for r in after if r["puzzle"] != 3])
+
+
+# Sokoban boards with hand-worked fewest-action solutions (RAGEN's symbols).
+SOKOBAN_SIX = ["######", "#P___#", "#_X__#", "#___O#", "#____#", "######"]  # Right, Down (push), Left, Down,
+# Right (push), Right (push): the box must go down once and right twice, the player behind it each time.
+SOKOBAN_ONE = ["#####", "#PXO#", "#####"]  # one push
+SOKOBAN_STUCK = ["#####", "#XP_#", "#O__#", "#####"]  # the box is in a corner: unsolvable
+
+
+def test_sokoban_shortest_solution_length_of_hand_worked_boards():
+    from environments.sokoban.expert import parse_grid, shortest_solution_length
+
+    assert shortest_solution_length(SOKOBAN_SIX) == 6
+    assert shortest_solution_length(SOKOBAN_ONE) == 1
+    assert shortest_solution_length(["#####", "#P_√#", "#####"]) == 0
+    assert shortest_solution_length(SOKOBAN_STUCK) is None
+    fixed, state = parse_grid(["####", "#S√#", "####"])  # player on a target, box on a target
+    assert fixed.tolist() == [[0, 0, 0, 0], [0, 2, 2, 0], [0, 0, 0, 0]]
+    assert state.tolist() == [[0, 0, 0, 0], [0, 6, 3, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"symbols \['\?'\]"):
+        parse_grid(["#?#"])
+
+
+def test_parse_grid_reads_back_the_envs_render():
+    """The env's host render of generated levels, read back, is the level (codes, targets)."""
+    import jax
+    import numpy as np
+
+    from environments.sokoban.env import Sokoban
+    from environments.sokoban.expert import parse_grid
+
+    env = Sokoban(dim_room=(6, 6), num_boxes=1)
+    params = env.default_params()
+    for seed in range(4):
+        _, state = env.reset_env(jax.random.PRNGKey(seed), params)
+        fixed, grid = parse_grid(env.render_text(state, "grid").split("\n"))
+        np.testing.assert_array_equal(fixed, np.asarray(state.room_fixed))
+        np.testing.assert_array_equal(grid, np.asarray(state.grid))
+
+
+def test_success_by_solution_length_groups_puzzles_by_their_first_board(tmp_path):
+    """Hand-worked: p0 and p1 are one-push levels, p2 needs six actions; 2 attempts each.
+    Now: p0 2/2, p1 1/2 -> length 1 at (1 + 0.5) / 2 = 0.75; p2 0/2 -> 0. Before: p0 1/2, p1 0/2
+    -> 0.25; p2 1/2 -> 0.5."""
+    def sokoban_transcript(board):
+        return ("<|im_start|>system\nYou are solving the Sokoban puzzle.\n<|im_end|>\n<|im_start|>user\n"
+                "Turn 1:\nState:\n" + "\n".join(board) + "\nYou have 10 actions left.\n<|im_end|>\n"
+                "<|im_start|>assistant\n<answer>Right</answer><|im_end|>\n")
+    boards = {0: SOKOBAN_ONE, 1: SOKOBAN_ONE, 2: SOKOBAN_SIX}
+
+    def records(step, outcomes):
+        return [dict(step=step, puzzle=p, attempt=a, success=s, transcript=sokoban_transcript(boards[p]))
+                for p, v in outcomes.items() for a, s in enumerate(v)]
+    now = records(400, {0: [True, True], 1: [True, False], 2: [False, False]})
+    before = records(0, {0: [True, False], 1: [False, False], 2: [True, False]})
+    out = eval_analysis.success_by_solution_length(now, "sokoban", before)
+    assert out == {1: {"puzzles": 2, "success": 0.75, "before": 0.25}, 6: {"puzzles": 1, "success": 0.0, "before": 0.5}}
+    # FrozenLake: the shortest safe path from the first board (BOARD: 4 moves).
+    fl = [dict(step=5, puzzle=0, attempt=0, success=True, transcript=RECORDS[0]["transcript"])]
+    assert eval_analysis.success_by_solution_length(fl, "frozen_lake") == {4: {"puzzles": 1, "success": 1.0}}
+    # Through the CLI, with the earlier evaluation picked out of the same file by --before_step.
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in before + now))
+    result = eval_analysis.main([str(path), "--before", str(path), "--before_step", "0", "--by_length", "sokoban"])
+    assert result["step"] == 400 and result["by_solution_length"] == out
+    with pytest.raises(ValueError, match="other puzzles"):
+        eval_analysis.success_by_solution_length(now, "sokoban", [r for r in before if r["puzzle"] != 2])
+    with pytest.raises(ValueError, match="known for"):
+        eval_analysis.success_by_solution_length(now, "bandit")
