@@ -46,5 +46,5 @@ def get_config():
     # 400 steps: from a fresh warm-up (0.672), 3 seeds end at 0.733 after 200 steps (+0.061, Wilcoxon
     # p = 0.08) and 0.749 after 400 (+0.077, p = 0.005; docs/experiments.md).
     c.trainer.total_steps = 400
-    c.trainer.time_limit_minutes = 90.0  # a guard: a ~10-minute warm-up, then 400 steps of 4-8 s (30-55 minutes)
+    c.trainer.time_limit_minutes = 90.0  # a guard: a ~10-minute warm-up, then 400 steps of ~4.5 s (~30 minutes)
     return c
