@@ -296,9 +296,9 @@ def main(argv=None):
     spread = attempt_spread(chosen)
     try:
         result = analyse(chosen)
-    except ValueError as e:  # not FrozenLake's boards: the attempt spread alone, which any env has
-        if spread is None:
-            raise SystemExit(f"{args.jsonl}: {e}") from None
+    except ValueError as e:  # not FrozenLake's boards: the attempt spread / lengths alone
+        if spread is None and args.before is None and args.by_length is None:
+            raise SystemExit(f"{' '.join(args.jsonl)}: {e}") from None
         result = {"episodes": len(chosen), "failure_analysis": f"not run: {e}"}
     if spread is not None:
         result["attempt_spread"] = spread

@@ -180,6 +180,12 @@ def test_success_by_solution_length_groups_puzzles_by_their_first_board(tmp_path
     path.write_text("".join(json.dumps(r) + "\n" for r in before + now))
     result = eval_analysis.main([str(path), "--before", str(path), "--before_step", "0", "--by_length", "sokoban"])
     assert result["step"] == 400 and result["by_solution_length"] == out
+    # One attempt per puzzle (no attempt spread) and boards that are not FrozenLake's: still analysed.
+    single = tmp_path / "single.jsonl"
+    single.write_text("".join(json.dumps(r) + "\n" for r in now if r["attempt"] == 0))
+    result = eval_analysis.main([str(single), "--by_length", "sokoban"])
+    assert result["by_solution_length"] == {1: {"puzzles": 2, "success": 1.0}, 6: {"puzzles": 1, "success": 0.0}}
+    assert "not run" in result["failure_analysis"]
     with pytest.raises(ValueError, match="other puzzles"):
         eval_analysis.success_by_solution_length(now, "sokoban", [r for r in before if r["puzzle"] != 2])
     with pytest.raises(ValueError, match="known for"):
