@@ -9,7 +9,8 @@ from collections import deque
 import numpy as np
 
 from environments.core import Plan, backtrack, cell_text
-from environments.sokoban.levels import BOX, BOX_ON_TARGET, TARGET
+from environments.sokoban.levels import BOX, BOX_ON_TARGET, PLAYER_ON_TARGET, TARGET, WALL
+from environments.sokoban.render import DEFAULT_GRID_LOOKUP
 
 
 # Action index -> (d_row, d_col), as ``environments.sokoban.levels.MOVES``.
@@ -106,8 +107,6 @@ def parse_grid(rows: list[str], grid_lookup=None) -> tuple[np.ndarray, np.ndarra
     """``(room_fixed, room_state)`` int [rows, cols] of a board shown in the ``grid`` format (one
     symbol per cell, ``grid_lookup`` code -> symbol, RAGEN's by default): the render read back, for
     analyses of transcripts. ``room_state`` uses the render codes (6 = player on target)."""
-    from environments.sokoban.render import DEFAULT_GRID_LOOKUP
-
     codes = {symbol: code for code, symbol in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
     if any(len(symbol) != 1 for symbol in codes):
         raise ValueError("parse_grid: needs one character per symbol")
@@ -117,7 +116,8 @@ def parse_grid(rows: list[str], grid_lookup=None) -> tuple[np.ndarray, np.ndarra
     if unknown:
         raise ValueError(f"parse_grid: symbols {unknown} are not in the grid lookup {sorted(codes)}")
     state = np.array([[codes[ch] for ch in row] for row in rows], np.int32)
-    fixed = np.where(state == 0, 0, np.where(np.isin(state, (TARGET, BOX_ON_TARGET, 6)), 2, 1)).astype(np.int32)
+    on_target = np.isin(state, (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET))
+    fixed = np.where(state == WALL, 0, np.where(on_target, 2, 1)).astype(np.int32)  # solve_sokoban's room_fixed
     return fixed, state
 
 

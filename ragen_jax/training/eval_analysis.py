@@ -51,7 +51,6 @@ CATEGORIES = ("malformed", "wrong cells", "invalid", "into a hole", "not nearer"
 _CELLS = re.compile(r"player is at \((\d+), (\d+)\) and the goal at \((\d+), (\d+)\)")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _BOARD_CHARS = set("P_OGX√")  # FrozenLake's grid symbols
-SOKOBAN_BOARD_CHARS = set("#_O√XPS")
 
 
 def turns_of(transcript: str, board_chars: set = _BOARD_CHARS) -> list[tuple[list[str], str]]:
@@ -218,19 +217,22 @@ def _read_evaluation(path: str, step: int | None) -> tuple[int, list[dict]]:
     return step, chosen
 
 
-def _frozen_lake_length(board: list[str]) -> int | None:
-    player, _, dist = distances(board)
-    return dist.get(player)
+def _frozen_lake_lengths():
+    def length(board: list[str]) -> int | None:
+        player, _, dist = distances(board)
+        return dist.get(player)
+    return _BOARD_CHARS, length
 
 
-def _sokoban_length(board: list[str]) -> int | None:
-    from environments.sokoban.expert import shortest_solution_length
+def _sokoban_lengths():
+    from environments.sokoban.expert import shortest_solution_length  # JAX loads only when asked for
+    from environments.sokoban.render import DEFAULT_GRID_LOOKUP
 
-    return shortest_solution_length(board)
+    return set(DEFAULT_GRID_LOOKUP.values()), shortest_solution_length
 
 
-# env -> (the grid's symbols, the fewest actions that solve a board or None)
-SOLUTION_LENGTH = {"frozen_lake": (_BOARD_CHARS, _frozen_lake_length), "sokoban": (SOKOBAN_BOARD_CHARS, _sokoban_length)}
+# env -> () -> (the grid's symbols, the fewest actions that solve a board or None)
+SOLUTION_LENGTH = {"frozen_lake": _frozen_lake_lengths, "sokoban": _sokoban_lengths}
 
 
 def success_by_solution_length(records: list[dict], env: str, before: list[dict] | None = None) -> dict:
@@ -242,7 +244,7 @@ def success_by_solution_length(records: list[dict], env: str, before: list[dict]
     """
     if env not in SOLUTION_LENGTH:
         raise ValueError(f"--by_length {env!r}: the solution length is known for {sorted(SOLUTION_LENGTH)}")
-    chars, length_of = SOLUTION_LENGTH[env]
+    chars, length_of = SOLUTION_LENGTH[env]()
     if not records or any("puzzle" not in rec for rec in records):
         raise ValueError("the evaluation has no per-puzzle records (a 'puzzle' index in each line)")
     boards = {}
@@ -261,7 +263,7 @@ def success_by_solution_length(records: list[dict], env: str, before: list[dict]
         length = length_of(board)
         groups["unsolvable" if length is None else length].append(p)
     out = {}
-    for length in sorted(groups, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0)):
+    for length in sorted(k for k in groups if k != "unsolvable") + ["unsolvable"] * ("unsolvable" in groups):
         members = groups[length]
         row = {"puzzles": len(members), "success": sum(rate[p] for p in members) / len(members)}
         if rate_before is not None:
