@@ -23,7 +23,7 @@ After every run the report is rewritten:
   first one, or ``--baseline``) and against the warm-up alone (validation before RL, the same
   puzzles), each with a Wilcoxon signed-rank p-value and a sign-flip permutation p-value of the mean
   difference over the validation puzzles (a puzzle's value is its success averaged over seeds and
-  attempts); the StarPO step time (mean over steps after the first, which compiles) split into
+  attempts); the StarPO step time (median over steps after the first, which compiles) split into
   rollout and update, and the rows kept by the SNR filter;
 * ``<out>/comparison.png``: validation success against step (mean ± SE over seeds, the warm-up
   as a dashed line) and the step time per variant.
@@ -265,11 +265,14 @@ class RunResult:
         return self.puzzles[max(self.puzzles)] if self.puzzles else None
 
     def step_seconds(self) -> tuple[float, float, float]:
-        """Mean (rollout, update, whole step) seconds over the steps after the first (compilation)."""
+        """Median (rollout, update, whole step) seconds over the steps after the first (compilation).
+
+        The median, not the mean: one step that spans a paused or suspended process (hours of wall
+        time) would otherwise set a run's step time."""
         t = self.timing[1:] if len(self.timing) > 1 else self.timing
         if not len(t):
             return math.nan, math.nan, math.nan
-        return float(t[:, 1].mean()), float(t[:, 2].mean()), float((t[:, 1] + t[:, 2]).mean())
+        return float(np.median(t[:, 1])), float(np.median(t[:, 2])), float(np.median(t[:, 1] + t[:, 2]))
 
 
 def collect(out: Path, variants: list[Variant], seeds: int) -> dict[str, list[RunResult]]:
@@ -360,7 +363,7 @@ def markdown(report: dict, title: str) -> str:
              f"Validation success: mean ± standard error over seeds (final validation). Paired: per-puzzle "
              f"difference (success averaged over seeds) ± SE over puzzles, Wilcoxon signed-rank p and "
              f"sign-flip permutation p of the mean difference (p_mean). "
-             f"Baseline: `{report['baseline']}`. Step time: mean over StarPO steps after the first.", "",
+             f"Baseline: `{report['baseline']}`. Step time: median over StarPO steps after the first (mean ± SE over seeds).", "",
              "| variant | seeds | steps | before RL | final | best | vs baseline (paired) | vs warm-up (paired) "
              "| step s (rollout + update) | time saved | rows kept |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -94,7 +94,9 @@ def test_report_matches_numpy(tmp_path):
             final = (rng.random(20) < 0.5 + 0.2 * vi).astype(float)
             finals[v.label, seed] = final
             # step, rollout s, update s, kept: the first step compiles (slow) and is left out.
+            # One step spans a paused process (an hour of wall time): the median ignores it.
             timing = [[1, 9.0, 9.0, 1.0]] + [[s, 1.0 + seed, 2.0 - vi, 1.0 - 0.5 * vi] for s in range(2, 5)]
+            timing[2] = [3, 1.0 + seed, 3600.0, 1.0 - 0.5 * vi]
             times[v.label, seed] = (1.0 + seed) + (2.0 - vi)
             _fake_run(tmp_path / v.slug / f"seed{seed}", seed, [(0, warm), (4, final)], timing)
     report = cmp.write_report(tmp_path, variants, 3)
