@@ -263,7 +263,10 @@ def success_by_solution_length(records: list[dict], env: str, before: list[dict]
         length = length_of(board)
         groups["unsolvable" if length is None else length].append(p)
     out = {}
-    for length in sorted(k for k in groups if k != "unsolvable") + ["unsolvable"] * ("unsolvable" in groups):
+    lengths = sorted(k for k in groups if k != "unsolvable")
+    if "unsolvable" in groups:
+        lengths.append("unsolvable")  # after the solvable lengths
+    for length in lengths:
         members = groups[length]
         row = {"puzzles": len(members), "success": sum(rate[p] for p in members) / len(members)}
         if rate_before is not None:
