@@ -44,7 +44,8 @@ def get_config():
     c.filter.dynamic_sampling_rounds = 2
     c.starpo.entropy_coeff = 0.01
     # 400 steps: from a fresh warm-up (0.672), 3 seeds end at 0.733 after 200 steps (+0.061, Wilcoxon
-    # p = 0.08) and 0.749 after 400 (+0.077, p = 0.005; docs/experiments.md).
+    # p = 0.08) and 0.749 after 400 (+0.077, p = 0.005; docs/experiments.md). From an AMD EPYC VM's
+    # warm-up (0.578), 3 seeds end at 0.660 after 400 (+0.082, Wilcoxon p = 0.025).
     c.trainer.total_steps = 400
     c.trainer.time_limit_minutes = 90.0  # a guard: a ~10-minute warm-up, then 400 steps of ~4.5 s (~30 minutes)
     return c
