@@ -202,6 +202,21 @@ def test_resume_is_exact_short(tmp_path):
     _resume_matches(tmp_path, total=2, interrupt_at=1)
 
 
+def test_kl_reference_is_the_warmed_up_policy_and_survives_a_resume(tmp_path):
+    """``configs/sokoban.py``'s KL loss with unsolved-start replay: the reference is the policy the
+    warm-up left, so step 1's first mini-batch, taken before any update, has k3 KL exactly 0 to it
+    (k3 of two equal distributions); later steps move away from it (> 0); and 3 steps straight ==
+    2 + interrupt + resume 1, which holds only if the checkpoint carries the reference (a resumed run
+    that rebuilt it from the initial weights would log another KL)."""
+    over = {"starpo.use_kl_loss": True, "starpo.kl_coef": 0.1, "starpo.kl_type": "low_var_kl",
+            "filter.start_replay_fraction": 0.5, "filter.value": 1.0, "filter.include_zero": True,
+            "starpo.mini_batch_size": 8}
+    _resume_matches(tmp_path, total=3, interrupt_at=2, **over)
+    kl = dict(_logged(tmp_path / "a")["actor/kl_loss"])
+    assert kl[1] == pytest.approx(0.0, abs=1e-7)
+    assert kl[2] > 1e-6 and kl[3] > 1e-6, kl
+
+
 @pytest.mark.slow
 def test_resume_is_exact_6_vs_3_plus_3(tmp_path):
     """6 steps straight == 3 + interrupt + resume 3 (MI computed at steps 1, 2, 4, 6; eval at 2, 4, 6)."""
