@@ -36,7 +36,8 @@ class StarPOConfig(Section):
       penalties included), which needs ``reward_norm='identity'``;
       ``length_weighting``: GRPO length weight.
     Loss: ``policy_loss`` (registry ``POLICY_LOSSES``), PPO clip ``clip_ratio_low/high`` and dual clip
-      ``clip_ratio_c``; ``entropy_coeff``; KL as a loss term (``use_kl_loss``, ``kl_coef``, ``kl_type``)
+      ``clip_ratio_c``; ``entropy_coeff``; KL as a loss term (``use_kl_loss``, ``kl_coef``, ``kl_type``;
+      ``kl_coef`` weighs it only while ``use_kl_loss`` is on)
       and/or in the reward (``kl_in_reward``, fixed coefficient ``kl_in_reward_coef``);
       ``loss_agg_mode`` (registry ``LOSS_AGGREGATIONS``), exact across micro-batches.
     Batching: ``ppo_epochs`` passes over the batch; per epoch the batch is cut into mini-batches of

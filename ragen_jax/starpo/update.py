@@ -332,7 +332,10 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         actor_num, _, terms = losses.actor_objective(
             logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.actor_loss_agg_mode, row_weights=row_w,
             policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
-            ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type, kl_coef=cfg.kl_coef,
+            # kl_coef weighs the KL loss only when use_kl_loss is on (verl's kl_loss_coef): switching the
+            # loss off on a config that sets a coefficient must not demand reference log-probs.
+            ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type,
+            kl_coef=cfg.kl_coef if cfg.use_kl_loss else 0.0,
             noise=mb.get("policy_noise"), **policy_hparams)
         aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
         if cfg.use_kl_loss:

@@ -376,6 +376,25 @@ def first_updates(traj, variants):
     return results
 
 
+def test_kl_coef_without_use_kl_loss_is_no_kl_term():
+    """``use_kl_loss=False`` switches the KL loss off whatever ``kl_coef`` says (as verl's
+    ``kl_loss_coef``): ``--config.starpo.use_kl_loss=false`` on ``configs/sokoban.py`` (kl_coef 0.1)
+    gives the update of kl_coef 0 — the same parameters and loss — instead of asking for reference
+    log-probs that a run without the KL loss does not compute."""
+    traj = random_traj(53)
+    results = []
+    for coef in (0.0, 0.1):
+        cfg = StarPOConfig(**{**LINEAR_FIRST_STEP, "use_kl_loss": False, "kl_coef": coef, "kl_type": "low_var_kl"})
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        assert state.ref_params is None
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE)
+        results.append(update(state, traj))
+    (s0, m0), (s1, m1) = results
+    assert tree_max_abs_diff(s0.params, s1.params) == 0.0
+    assert float(m0["actor/pg_loss"]) == float(m1["actor/pg_loss"]) and "actor/kl_loss" not in m1
+
+
 def test_shared_prompt_once_per_batch_gives_the_same_update():
     """``shared_prefix_len``: the preamble every row opens with ([7, 8]) run once per batch."""
     traj = random_traj(51)
