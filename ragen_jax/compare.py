@@ -28,7 +28,10 @@ After every run the report is rewritten:
 * ``<out>/comparison.png``: validation success against step (mean ± SE over seeds, the warm-up
   as a dashed line) and the step time per variant.
 
-``--report_only`` rewrites the report from the runs already in ``--out``.
+``--report_only`` rewrites the report from the runs already in ``--out``. ``--at_step N`` also writes
+``<out>/comparison_step<N>.md`` (``.json``, ``.png``): the same report read at every run's validation
+at step ``N`` (curves and step times up to it), so runs of different lengths — a 200-step variant
+beside 400-step ones — are compared at a common step; a run not validated at ``N`` is left out of it.
 """
 from __future__ import annotations
 
@@ -164,8 +167,9 @@ def _finished(workdir: Path, config) -> bool:
 
 
 def compare(base, variants: list[Variant], seeds: int, out: str | Path, baseline: str | None = None,
-            report_only: bool = False) -> dict:
-    """Run every variant × seed (those not finished yet) and write the report; returns it."""
+            report_only: bool = False, at_step: int | None = None) -> dict:
+    """Run every variant × seed (those not finished yet) and write the report (and, with ``at_step``,
+    the report at that step too); returns the final report."""
     from ragen_jax.training.trainer import train
 
     out = Path(out)
@@ -178,6 +182,8 @@ def compare(base, variants: list[Variant], seeds: int, out: str | Path, baseline
             print(f"== run {n}/{len(runs)}: {v.label}, seed {cfg.seed} -> {workdir}")
             train(resolve(cfg))
             write_report(out, variants, seeds, baseline, _title(base))
+    if at_step is not None:
+        write_report(out, variants, seeds, baseline, _title(base), at_step)
     return write_report(out, variants, seeds, baseline, _title(base))
 
 
@@ -260,6 +266,16 @@ class RunResult:
                    {int(s): np.asarray(p, np.float64) for s, p in h.get("val_puzzles", [])}, timing,
                    saved["summary"])
 
+    def until(self, step: int) -> "RunResult | None":
+        """This run as it stood at ``step`` (validations, per-puzzle results and step times up to
+        it), or None when it was not validated at ``step``."""
+        if step not in self.puzzles or not any(int(s) == step for s, _ in self.val):
+            return None
+        return dataclasses.replace(
+            self, steps=step, val=[[s, v] for s, v in self.val if s <= step],
+            puzzles={s: p for s, p in self.puzzles.items() if s <= step},
+            timing=self.timing[self.timing[:, 0] <= step] if len(self.timing) else self.timing)
+
     @property
     def final_puzzles(self) -> np.ndarray | None:
         return self.puzzles[max(self.puzzles)] if self.puzzles else None
@@ -275,11 +291,16 @@ class RunResult:
         return float(np.median(t[:, 1])), float(np.median(t[:, 2])), float(np.median(t[:, 1] + t[:, 2]))
 
 
-def collect(out: Path, variants: list[Variant], seeds: int) -> dict[str, list[RunResult]]:
+def collect(out: Path, variants: list[Variant], seeds: int, at_step: int | None = None) -> dict[str, list[RunResult]]:
+    """Each variant's runs that have validated (with ``at_step``: as they stood at that step, those
+    validated at it)."""
     results = {}
     for v in variants:
         runs = [RunResult.read(out / v.slug / f"seed{i}", i) for i in range(seeds)]
-        results[v.label] = [r for r in runs if r is not None and r.val]
+        runs = [r for r in runs if r is not None and r.val]
+        if at_step is not None:
+            runs = [r for r in (r.until(at_step) for r in runs) if r is not None]
+        results[v.label] = runs
     return results
 
 
@@ -359,12 +380,14 @@ def _paired(t) -> str:
 
 
 def markdown(report: dict, title: str) -> str:
+    at = report.get("at_step")
+    read_at = "final validation" if at is None else f"the validation at step {at}; curves and step times up to it"
     lines = [f"# {title}", "",
-             f"Validation success: mean ± standard error over seeds (final validation). Paired: per-puzzle "
+             f"Validation success: mean ± standard error over seeds ({read_at}). Paired: per-puzzle "
              f"difference (success averaged over seeds) ± SE over puzzles, Wilcoxon signed-rank p and "
              f"sign-flip permutation p of the mean difference (p_mean). "
              f"Baseline: `{report['baseline']}`. Step time: median over StarPO steps after the first (mean ± SE over seeds).", "",
-             "| variant | seeds | steps | before RL | final | best | vs baseline (paired) | vs warm-up (paired) "
+             f"| variant | seeds | steps | before RL | {'final' if at is None else f'step {at}'} | best | vs baseline (paired) | vs warm-up (paired) "
              "| step s (rollout + update) | time saved | rows kept |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -412,16 +435,22 @@ def plot(report: dict, path: Path, title: str) -> None:
 
 
 def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str | None = None,
-                 title: str | None = None) -> dict:
+                 title: str | None = None, at_step: int | None = None) -> dict:
+    """Summarize the runs in ``out`` and write ``comparison.{md,json,png}`` (with ``at_step``:
+    ``comparison_step<N>.*``, every run read at step N); returns the report."""
     import jax
 
-    report = summarize(collect(out, variants, seeds), baseline)
+    report = summarize(collect(out, variants, seeds, at_step), baseline)
+    report["at_step"] = at_step
     if not report["rows"] or jax.process_index() != 0:  # one process of a multi-process run writes
         return report
     title = title or f"Comparison in {out}"
-    (out / "comparison.json").write_text(json.dumps(report, indent=1))
-    (out / "comparison.md").write_text(markdown(report, title))
-    plot(report, out / "comparison.png", title)
+    if at_step is not None:
+        title = f"{title}, at step {at_step}"
+    name = "comparison" if at_step is None else f"comparison_step{at_step}"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(markdown(report, title))
+    plot(report, out / f"{name}.png", title)
     print(markdown(report, title))
     return report
 
@@ -443,6 +472,8 @@ def main(argv=None) -> None:
     baseline = flags.DEFINE_string("baseline", None, "The variant label the paired tests compare against "
                                    "(default: the first)")
     report_only = flags.DEFINE_bool("report_only", False, "Only rewrite the report from the runs in --out")
+    at_step = flags.DEFINE_integer("at_step", None, "Also write comparison_step<N>.md: every run read at its "
+                                   "validation at step N (runs of different lengths side by side)", lower_bound=0)
 
     def run(_):
         cfg = launch._CONFIG.value
@@ -455,7 +486,7 @@ def main(argv=None) -> None:
             parsed = parse_variants(variants.value)
             directory = Path(out.value or f"{cfg.workdir.rstrip('/')}_compare")
             directory.mkdir(parents=True, exist_ok=True)
-            compare(cfg, parsed, seeds.value, directory, baseline.value, report_only.value)
+            compare(cfg, parsed, seeds.value, directory, baseline.value, report_only.value, at_step.value)
 
     launch.run(argv, main=run)
 

@@ -121,6 +121,36 @@ def test_report_matches_numpy(tmp_path):
         cmp.summarize(cmp.collect(tmp_path, variants, 3), baseline="nope")
 
 
+def test_report_at_a_common_step(tmp_path):
+    """``--at_step``: runs of different lengths read at one step — a 4-step run at its step-2
+    validation beside a 2-step one, step times up to that step; a run not validated there is left out."""
+    variants = cmp.parse_variants("long:filter.value=0.9,short:filter.value=1.0")
+    warm = np.array([1.0, 0.0, 0.0, 0.0])
+    long_at2, long_at4 = np.array([1.0, 1.0, 0.0, 0.0]), np.array([1.0, 1.0, 1.0, 1.0])
+    short_at2 = np.array([0.0, 1.0, 1.0, 1.0])
+    # step, rollout s, update s, kept: steps 3-4 of the long run are slow and must not count at step 2.
+    _fake_run(tmp_path / "long" / "seed0", 0, [(0, warm), (2, long_at2), (4, long_at4)],
+              [[1, 9.0, 9.0, 1.0], [2, 1.0, 1.0, 0.5], [3, 50.0, 50.0, 0.0], [4, 50.0, 50.0, 0.0]])
+    _fake_run(tmp_path / "short" / "seed0", 0, [(0, warm), (2, short_at2)], [[1, 9.0, 9.0, 1.0], [2, 1.0, 3.0, 1.0]])
+    # Seed 1 of the long variant validated at 1 and 3 only: not at step 2, so not in that report.
+    _fake_run(tmp_path / "long" / "seed1", 1, [(0, warm), (1, warm), (3, long_at4)], [[1, 9.0, 9.0, 1.0]])
+    report = cmp.write_report(tmp_path, variants, 2, at_step=2)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert report["at_step"] == 2 and rows["long"]["seeds"] == 1 and rows["long"]["steps"] == [2]
+    assert rows["long"]["final"][0] == 0.5 and rows["long"]["best"][0] == 0.5  # not step 4's 1.0
+    assert rows["long"]["step_s"][0] == 2.0 and rows["long"]["kept"][0] == pytest.approx(0.75)
+    assert [c[0] for c in rows["long"]["curve"]] == [0, 2]
+    assert rows["short"]["final"][0] == 0.75
+    # Paired, by hand: short - long at step 2 = (-1, 0, +1, +1) / 4 puzzles; long - warm-up = (0, +1, 0, 0).
+    assert rows["short"]["vs_baseline"]["diff"] == pytest.approx(0.25)
+    assert rows["long"]["vs_warmup"]["diff"] == pytest.approx(0.25)
+    text = (tmp_path / "comparison_step2.md").read_text()
+    assert "| step 2 |" in text and "at step 2" in text and "| `long` | 1 | 2 |" in text
+    assert not (tmp_path / "comparison.md").exists()  # the final report is a file of its own
+    final = {r["variant"]: r for r in cmp.write_report(tmp_path, variants, 2)["rows"]}
+    assert final["long"]["final"][0] == pytest.approx(np.mean([1.0, 1.0]))  # both seeds' last validations
+
+
 def test_vs_warmup_pairs_each_variant_with_its_own_warmup(tmp_path):
     """A variant that changes what the warm-up depends on (here a larger group) has its own warm-up:
     its "vs warm-up" is paired against that one, not against the first variant's."""
