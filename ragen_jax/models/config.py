@@ -74,6 +74,10 @@ class ModelConfig:
         to the batch's furthest position are read (a rollout's cache is sized for the whole
         conversation). 0 = 64 on CPU, where each block is cheap and empty slots are not, and 1024 on
         accelerators, where a block costs kernel launches. Same numbers up to float rounding.
+      cache_attention: how new tokens attend to the KV cache. 'xla': the blocked XLA form above.
+        'kernel': one CPU kernel per layer that reads the cache in place (`models/cache_attention.py`,
+        C++ built on first use; float32 compute). 'auto' (default): the kernel on a single-device CPU
+        where it builds, else 'xla'. Same numbers up to float rounding.
       lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter
         (`decoder.LoRALinear`: y = x W + (alpha / rank) x A B, A [in, r], B [r, out] starting at 0);
         the adapters are `nnx.LoRAParam`s, the only weights StarPO and the warm-up train.
@@ -104,6 +108,7 @@ class ModelConfig:
     remat: bool = False
     attention_block_size: int = 64
     cache_block_size: int = 0
+    cache_attention: str = "auto"
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -142,6 +147,9 @@ class ModelConfig:
         if unknown or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: choose a non-empty subset of "
                              f"{LORA_TARGETS}.")
+        if self.cache_attention not in ("auto", "kernel", "xla"):
+            raise ValueError(f"ModelConfig.cache_attention must be 'auto', 'kernel' or 'xla', got "
+                             f"{self.cache_attention!r}.")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not implemented; "

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ragen_jax.models.cache_attention import cache_attention, kernel_applies
 from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.kv_cache import (KVCache, SharedPrefix, as_bits, from_bits, init_cache, stored_values,
                                        write_layer)
@@ -148,7 +149,8 @@ class Attention(nnx.Module):
             out = _causal_attend(q, k, v, cfg.attention_block_size, cache.k[layer], cache.v[layer])
         else:
             cache = write_layer(cache, layer, positions, k, v)
-            out = _cached_attend(q, cache, layer, positions, cfg.attention_block_size, cfg.cache_block_size)
+            out = _cached_attend(q, cache, layer, positions, cfg.attention_block_size, cfg.cache_block_size,
+                                 cfg.cache_attention)
         return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -172,8 +174,12 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, head_m
 
 
 def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
-                   block_size: int, cache_block: int = 0) -> jax.Array:
+                   block_size: int, cache_block: int = 0, mode: str = "xla") -> jax.Array:
     """Attention of new queries over layer ``layer`` of a KV cache.
+
+    ``mode`` is ``ModelConfig.cache_attention``: where it picks the CPU kernel
+    (``models/cache_attention.py``), the kernel reads the cache in place and this XLA form only gives
+    its gradient.
 
     q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, K, S, Hd] -> [B, T, H, Hd];
     query [b, t] sees the slots ``<= positions[b, t]``. A cache longer than one cache block
@@ -182,6 +188,10 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     read whole, ``block_size`` queries at a time: a prefill chunk of T tokens would otherwise hold
     [B, H, T, S] float32 scores at once. Decoding (T = 1) is one block.
     """
+    if kernel_applies(mode, q):
+        def reference(q, k, v, layer, positions):
+            return _cached_attend(q, KVCache(k, v), layer, positions, block_size, cache_block)
+        return cache_attention(q, cache.k, cache.v, layer, positions, reference).astype(q.dtype)
     T, S = q.shape[1], cache.max_len
     if S > cache_block_slots(cache_block):
         return _attend_filled(q, cache, layer, positions, cache_block)
