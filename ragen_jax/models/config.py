@@ -74,10 +74,11 @@ class ModelConfig:
         to the batch's furthest position are read (a rollout's cache is sized for the whole
         conversation). 0 = 64 on CPU, where each block is cheap and empty slots are not, and 1024 on
         accelerators, where a block costs kernel launches. Same numbers up to float rounding.
-      cache_attention: how new tokens attend to the KV cache. 'xla': the blocked XLA form above.
-        'kernel': one CPU kernel per layer that reads the cache in place (`models/cache_attention.py`,
-        C++ built on first use; float32 compute). 'auto' (default): the kernel on a single-device CPU
-        where it builds, else 'xla'. Same numbers up to float rounding.
+      cpu_kernels: the decode loop's two CPU kernels (`models/cpu_kernels.py`, C++ built on first use,
+        float32 computation): attention over the KV cache read in place, and the weight matmuls of
+        `generate` with weights repacked once per call. 'auto' (default): on a single-device CPU where
+        they build; 'on': always (an error where they cannot run); 'off': XLA's forms. Same numbers
+        up to float rounding.
       lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter
         (`decoder.LoRALinear`: y = x W + (alpha / rank) x A B, A [in, r], B [r, out] starting at 0);
         the adapters are `nnx.LoRAParam`s, the only weights StarPO and the warm-up train.
@@ -108,7 +109,7 @@ class ModelConfig:
     remat: bool = False
     attention_block_size: int = 64
     cache_block_size: int = 0
-    cache_attention: str = "auto"
+    cpu_kernels: str = "auto"
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -147,9 +148,8 @@ class ModelConfig:
         if unknown or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: choose a non-empty subset of "
                              f"{LORA_TARGETS}.")
-        if self.cache_attention not in ("auto", "kernel", "xla"):
-            raise ValueError(f"ModelConfig.cache_attention must be 'auto', 'kernel' or 'xla', got "
-                             f"{self.cache_attention!r}.")
+        if self.cpu_kernels not in ("auto", "on", "off"):
+            raise ValueError(f"ModelConfig.cpu_kernels must be 'auto', 'on' or 'off', got {self.cpu_kernels!r}.")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not implemented; "

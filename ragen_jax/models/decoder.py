@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ragen_jax.models.cache_attention import cache_attention, kernel_applies
+from ragen_jax.models.cpu_kernels import PANEL, cache_attention, kernels_apply, pack_panels, packed_dense
 from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.kv_cache import (KVCache, SharedPrefix, as_bits, from_bits, init_cache, stored_values,
                                        write_layer)
@@ -91,6 +91,18 @@ class LoRALinear(nnx.LoRALinear):
         return nnx.Linear.__call__(self, x) + self.scale * self.lora(x)
 
 
+class Linear(nnx.Linear):
+    """``nnx.Linear``, whose kernel may also be held in panels (``pack_for_decode``, [N / 32, K, 32]):
+    then the product is the CPU kernel ``packed_dense``."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            return super().__call__(x)
+        y = packed_dense(x, kernel).astype(x.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, name: str = "") -> nnx.Linear:
     # Operands in cfg.matmul_operand_dtype; with a matmul_dtype the product comes out in the compute
     # dtype (accumulated there), so the residual stream never sees the narrower type.
@@ -101,7 +113,7 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs,
     if cfg.lora_rank and name in cfg.lora_targets:
         return LoRALinear(d_in, d_out, lora_rank=cfg.lora_rank, scale=cfg.lora_alpha / cfg.lora_rank,
                           lora_dtype=cfg.compute_dtype, lora_param_dtype=jnp.float32, **kwargs)
-    return nnx.Linear(d_in, d_out, **kwargs)
+    return Linear(d_in, d_out, **kwargs)
 
 
 def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -150,7 +162,7 @@ class Attention(nnx.Module):
         else:
             cache = write_layer(cache, layer, positions, k, v)
             out = _cached_attend(q, cache, layer, positions, cfg.attention_block_size, cfg.cache_block_size,
-                                 cfg.cache_attention)
+                                 cfg.cpu_kernels)
         return self.o_proj(out.reshape(B, T, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -174,12 +186,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, head_m
 
 
 def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positions: jax.Array,
-                   block_size: int, cache_block: int = 0, mode: str = "xla") -> jax.Array:
+                   block_size: int, cache_block: int = 0, mode: str = "off") -> jax.Array:
     """Attention of new queries over layer ``layer`` of a KV cache.
 
-    ``mode`` is ``ModelConfig.cache_attention``: where it picks the CPU kernel
-    (``models/cache_attention.py``), the kernel reads the cache in place and this XLA form only gives
-    its gradient.
+    ``mode`` is ``ModelConfig.cpu_kernels``: where it picks the CPU kernel (``models/cpu_kernels.py``),
+    the kernel reads the cache in place and this XLA form only gives its gradient.
 
     q [B, T, H, Hd], positions int32 [B, T]; cache.k, cache.v [L, B, K, S, Hd] -> [B, T, H, Hd];
     query [b, t] sees the slots ``<= positions[b, t]``. A cache longer than one cache block
@@ -188,7 +199,7 @@ def _cached_attend(q: jax.Array, cache: KVCache, layer: int | jax.Array, positio
     read whole, ``block_size`` queries at a time: a prefill chunk of T tokens would otherwise hold
     [B, H, T, S] float32 scores at once. Decoding (T = 1) is one block.
     """
-    if kernel_applies(mode, q):
+    if kernels_apply(mode, q.dtype):
         def reference(q, k, v, layer, positions):
             return _cached_attend(q, KVCache(k, v), layer, positions, block_size, cache_block)
         return cache_attention(q, cache.k, cache.v, layer, positions, reference).astype(q.dtype)
@@ -397,8 +408,12 @@ class Decoder(nnx.Module):
             cache = as_bits(cache)
         # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
         # boundary; without one constrain_activations is the identity.
-        table = constrain_embedding_table(self.embed_tokens.embedding[...])
-        x = constrain_activations(jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype))
+        table = self.embed_tokens.embedding[...]
+        if table.ndim == 3:  # the tied embedding in panels (pack_for_decode): row v is column v % 32 of panel v // 32
+            x = table[tokens // PANEL, :, tokens % PANEL].astype(cfg.compute_dtype)
+        else:
+            x = jnp.take(constrain_embedding_table(table), tokens, axis=0).astype(cfg.compute_dtype)
+        x = constrain_activations(x)
         rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
@@ -440,6 +455,9 @@ class Decoder(nnx.Module):
         if not self.has_lm_head:
             raise ValueError("this Decoder was built with lm_head=False (a critic's trunk): it has hidden states, "
                              "no logits")
+        weight = (self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head.kernel)[...]
+        if weight.ndim == 3:  # in panels (pack_for_decode)
+            return packed_dense(hidden, weight)
         if self.cfg.tie_word_embeddings:
             w = self.embed_tokens.embedding[...].astype(dtype)  # [V, D]
             return jnp.einsum("btd,vd->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
@@ -451,6 +469,29 @@ class Decoder(nnx.Module):
         """tokens, positions int32 [B, T] -> (logits float32 [B, T, V], cache)."""
         hidden, cache = self.hidden(tokens, positions, cache)
         return self.logits(hidden), cache
+
+
+def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
+    """The model's weights with every float32 projection (and the logits' weight) in panels, for the
+    ``packed_dense`` CPU kernel: what ``generate`` multiplies by, repacked once per call.
+
+    Unchanged (returned as is) unless ``cfg.cpu_kernels`` picks the kernels here; projections with
+    LoRA adapters, widths that are not a multiple of 32, non-float32 weights or matmuls and scanned
+    (stacked) layers keep XLA's matmul. Packing reads and writes every weight once.
+    """
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    if (cfg.scan_layers or cfg.matmul_operand_dtype != jnp.float32 or cfg.weight_dtype != jnp.float32
+            or not kernels_apply(cfg.cpu_kernels, cfg.compute_dtype)):
+        return state
+    # Which weights to pack (path -> given transposed), then a new state: nothing is mutated, so this runs
+    # under any trace (generate inside a rollout's scan).
+    targets = {tuple(path) + ("kernel",): False for path, module in nnx.iter_graph(model)
+               if type(module) is Linear and module.kernel[...].shape[1] % PANEL == 0}
+    if model.has_lm_head and cfg.tie_word_embeddings and cfg.vocab_size % PANEL == 0:
+        targets[("embed_tokens", "embedding")] = True
+    return nnx.from_flat_state([(path, value.replace(value=pack_panels(value[...], targets[tuple(path)]))
+                                 if tuple(path) in targets else value) for path, value in nnx.to_flat_state(state)])
 
 
 class ValueHead(nnx.Module):

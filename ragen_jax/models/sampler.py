@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ragen_jax.models.decoder import pack_for_decode
 from ragen_jax.models.kv_cache import as_bits, from_bits
 
 Array = jax.Array
@@ -458,6 +459,8 @@ def generate(
     batch = last_logits.shape[0]
 
     graphdef, params = _split_model(model)
+    # On a CPU the step's matmuls read the weights in panels, repacked here once for all steps.
+    params = pack_for_decode(graphdef, params)
     # The policy the StarPO ratio compares against samples at this temperature (verl's convention:
     # log-probs of logits / T). Greedy rows keep T = 1; multiplying by exactly 1.0 changes nothing.
     temperature = _broadcast_rows(sampling.temperature, batch, jnp.float32)

@@ -1,5 +1,6 @@
-"""The CPU cache-attention kernel (models/cache_attention.py) against a NumPy re-derivation of
-attention over a KV cache, its gradient against a plain masked softmax, and the decode it serves."""
+"""The CPU kernels (models/cpu_kernels.py): cache attention against a NumPy re-derivation of attention
+over a KV cache and its gradient against a plain masked softmax; the packed matmul against NumPy; and
+the decode they serve against XLA's forms."""
 import shutil
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ragen_jax.models import cache_attention as ca
+from ragen_jax.models import cpu_kernels as ca
 from ragen_jax.models.config import ModelConfig
 from ragen_jax.models.decoder import Decoder, _cached_attend
 from ragen_jax.models.kv_cache import KVCache, as_bits, init_cache
@@ -53,7 +54,7 @@ def _problem(seed, L=3, B=4, K=2, G=3, S=40, Hd=16, T=5):
 
 def _kernel(q, k, v, layer, positions):
     return _cached_attend(jnp.asarray(q), KVCache(jnp.asarray(k), jnp.asarray(v)), layer, jnp.asarray(positions),
-                          64, 16, "kernel")
+                          64, 16, "on")
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -82,7 +83,7 @@ def test_traced_layer_and_one_query_per_row():
 def test_bfloat16_cache_held_as_bits():
     q, k, v, positions = _problem(2)
     bits = as_bits(KVCache(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)))
-    got = np.asarray(_cached_attend(jnp.asarray(q), bits, 1, jnp.asarray(positions), 64, 16, "kernel"))
+    got = np.asarray(_cached_attend(jnp.asarray(q), bits, 1, jnp.asarray(positions), 64, 16, "on"))
     rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v)]
     np.testing.assert_allclose(got, numpy_attention(q, *rounded, 1, positions), atol=2e-6, rtol=1e-5)
 
@@ -108,36 +109,64 @@ def test_gradient_matches_a_masked_softmax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
 
 
-def _tiny(mode, seed=0):
-    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, initializer_range=0.2, cache_attention=mode, cache_block_size=16)
+def _tiny(mode, tied, vocab=96, seed=0):
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, initializer_range=0.2, cpu_kernels=mode, cache_block_size=16,
+                      tie_word_embeddings=tied)
     return cfg, Decoder(cfg, rngs=nnx.Rngs(seed))
 
 
-def test_greedy_decode_and_logits_agree_with_the_xla_form():
-    """Same seeded weights, prompts and cache: the kernel's decode gives the XLA form's tokens and logits."""
-    prompt = jnp.asarray(np.random.RandomState(5).randint(0, 97, (3, 9)), jnp.int32)
+def test_packed_dense_matches_numpy():
+    rng = np.random.RandomState(6)
+    for rows, k, n in [(1, 24, 32), (13, 40, 96), (64, 576, 192)]:  # a partial register block, several panels
+        x, w = rng.randn(rows, k).astype(np.float32), rng.randn(k, n).astype(np.float32)
+        want = x.astype(np.float64) @ w
+        got = ca.packed_dense(jnp.asarray(x), ca.pack_panels(jnp.asarray(w)))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+        # A tied embedding [V, D] used as the logits' weight: panels of its transpose.
+        got = ca.packed_dense(jnp.asarray(x), ca.pack_panels(jnp.asarray(w.T.copy()), transposed=True))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_greedy_decode_and_logits_agree_with_the_xla_forms(tied):
+    """Same seeded weights, prompts and cache: with the kernels (cache attention; packed weights for the
+    projections and, tied or not, the logits) decode gives XLA's tokens, log-probs and cache."""
+    prompt = jnp.asarray(np.random.RandomState(5).randint(0, 96, (3, 9)), jnp.int32)
     outs = {}
-    for mode in ("kernel", "xla"):
-        cfg, model = _tiny(mode)
+    for mode in ("on", "off"):
+        cfg, model = _tiny(mode, tied)
         cache = init_cache(cfg, 3, 40)
         start = jnp.zeros(3, jnp.int32)
         logits, cache = prefill(model, cache, prompt, start, jnp.array([9, 5, 7], jnp.int32))
         out = generate(model, cache, logits, jnp.array([9, 5, 7], jnp.int32), jnp.ones(3, bool),
                        jax.random.split(jax.random.key(0), 3), SamplingConfig.greedy(), jnp.array([-1], jnp.int32),
                        jnp.zeros((0, 0), jnp.int32), 24)
-        outs[mode] = (np.asarray(logits), np.asarray(out.tokens), np.asarray(out.logprobs))
-    np.testing.assert_allclose(outs["kernel"][0], outs["xla"][0], atol=1e-5)
-    np.testing.assert_array_equal(outs["kernel"][1], outs["xla"][1])
-    np.testing.assert_allclose(outs["kernel"][2], outs["xla"][2], atol=1e-4)
+        outs[mode] = (np.asarray(logits), np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.cache.k))
+    np.testing.assert_allclose(outs["on"][0], outs["off"][0], atol=1e-5)
+    np.testing.assert_array_equal(outs["on"][1], outs["off"][1])
+    np.testing.assert_allclose(outs["on"][2], outs["off"][2], atol=1e-4)
+    np.testing.assert_allclose(outs["on"][3], outs["off"][3], atol=1e-4)
+
+
+def test_packing_applies_where_the_kernels_run():
+    from ragen_jax.models.decoder import pack_for_decode
+
+    cfg, model = _tiny("on", tied=True)
+    packed = nnx.merge(*(lambda g, s: (g, pack_for_decode(g, s)))(*nnx.split(model)))
+    assert packed.embed_tokens.embedding[...].shape == (96 // 32, 64, 32)
+    assert packed.layers[0].mlp.up_proj.kernel[...].shape == (128 // 32, 64, 32)
+    cfg, model = _tiny("on", tied=True, vocab=97)  # a width that is not a multiple of 32 keeps XLA's matmul
+    assert nnx.merge(*(lambda g, s: (g, pack_for_decode(g, s)))(*nnx.split(model))).embed_tokens.embedding[...].ndim == 2
+    graphdef, state = nnx.split(_tiny("off", tied=True)[1])
+    assert pack_for_decode(graphdef, state) is state
 
 
 def test_modes_and_errors():
-    with pytest.raises(ValueError, match="cache_attention must be 'auto', 'kernel' or 'xla'"):
+    with pytest.raises(ValueError, match="cpu_kernels must be 'auto', 'on' or 'off'"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                    head_dim=8, cache_attention="fast")
-    q32, q16 = jnp.zeros((1, 1, 2, 8), jnp.float32), jnp.zeros((1, 1, 2, 8), jnp.bfloat16)
-    assert ca.kernel_applies("kernel", q32) and ca.kernel_applies("auto", q32)
-    assert not ca.kernel_applies("xla", q32) and not ca.kernel_applies("auto", q16)
-    with pytest.raises(ValueError, match="needs float32 compute"):
-        ca.kernel_applies("kernel", q16)
+                    head_dim=8, cpu_kernels="fast")
+    assert ca.kernels_apply("on", jnp.float32) and ca.kernels_apply("auto", jnp.float32)
+    assert not ca.kernels_apply("off", jnp.float32) and not ca.kernels_apply("auto", jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs float32 computation"):
+        ca.kernels_apply("on", jnp.bfloat16)

@@ -1,0 +1,102 @@
+// y = x @ W for a few rows of x (a decode step) with W in panels: the CPU matmul of the decode loop.
+//
+// A decode step multiplies a handful of rows by every weight of the model, each read from memory once.
+// XLA's CPU matmul repacks a weight on every call, which on such shapes halves its speed; here the
+// weights are repacked once per `generate` call (models/cpu_kernels.py: pack_panels) into panels of 32
+// columns that lie contiguous along K, and each panel is streamed once for all rows.
+//
+// Operands: x f32 [M, K]; w f32 [N / 32, K, 32] (panel p holds columns 32p .. 32p + 31). Result: f32 [M, N].
+// Work is split over the panels on XLA's intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPanel = 32;
+constexpr int kRows = 8;  // rows per register block: 8 x 2 accumulators of 16 floats
+// 16 floats; aligned(4) makes loads and stores through it unaligned-safe. GCC and Clang lower it to
+// the widest vectors the target has (AVX-512, AVX2 pairs, NEON quads).
+typedef float f16v __attribute__((vector_size(64), aligned(4)));
+
+template <int R>
+inline void Block(const float* __restrict x, const float* __restrict panel, float* __restrict y, int64_t K,
+                  int64_t N) {
+  f16v lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = f16v{};
+  for (int64_t k = 0; k < K; ++k) {
+    const f16v w0 = *reinterpret_cast<const f16v*>(panel + k * kPanel);
+    const f16v w1 = *reinterpret_cast<const f16v*>(panel + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+      lo[r] += xv * w0;
+      hi[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    *reinterpret_cast<f16v*>(y + r * N) = lo[r];
+    *reinterpret_cast<f16v*>(y + r * N + 16) = hi[r];
+  }
+}
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, panels;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Panel(const Job& j, int64_t p) {
+  const float* panel = j.w + p * j.K * kPanel;
+  float* y = j.y + p * kPanel;
+  int64_t m = 0;
+  for (; m + kRows <= j.M; m += kRows) Block<kRows>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
+  for (; m < j.M; ++m) Block<1>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
+}
+
+// As in cache_attention.cc: the caller and the pool's tasks take panels from one counter; a late task
+// only drops its reference.
+void Work(Job& j) {
+  int64_t finished = 0;
+  for (int64_t p; (p = j.next.fetch_add(1)) < j.panels; ++finished) Panel(j, p);
+  j.done.fetch_add(finished);
+}
+
+ffi::Error PackedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("packed_dense: x must be [M, K] and w [N / 32, K, 32]");
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = xd[0];
+  job->K = xd[1];
+  job->panels = wd[0];
+  job->N = wd[0] * kPanel;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->panels - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
+  Work(*job);
+  while (job->done.load() < job->panels) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RagenPackedDense, PackedDense,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
