@@ -97,6 +97,7 @@ def _ours(model_cfg, graphdef, params, prompts, new: int, repeats: int):
     import jax.numpy as jnp
     import numpy as np
 
+    from ragen_jax.models.decoder import pack_for_decode
     from ragen_jax.models.kv_cache import init_cache
     from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 
@@ -110,6 +111,9 @@ def _ours(model_cfg, graphdef, params, prompts, new: int, repeats: int):
                        SamplingConfig.greedy(), jnp.array([-1], jnp.int32), jnp.zeros((0, 0), jnp.int32), new)
         return out.tokens
 
+    # The weights in the decode kernel's panels once, at load, as vLLM prepacks its weights
+    # (models/decoder.py: pack_for_decode; unchanged where the CPU kernels do not run).
+    params = jax.jit(lambda p: pack_for_decode(graphdef, p))(params)
     prompt = jnp.asarray(prompts)
     keys = jax.random.split(jax.random.key(0), prompt.shape[0])
     jax.block_until_ready(run(params, prompt, keys))

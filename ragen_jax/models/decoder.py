@@ -477,7 +477,9 @@ def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
 
     Unchanged (returned as is) unless ``cfg.cpu_kernels`` picks the kernels here; projections with
     LoRA adapters, widths that are not a multiple of 32, non-float32 weights or matmuls and scanned
-    (stacked) layers keep XLA's matmul. Packing reads and writes every weight once.
+    (stacked) layers keep XLA's matmul. Packing reads and writes every weight once; weights already in
+    panels are left as they are, so a caller that decodes many times with the same weights (a server,
+    a benchmark) packs once, at load, and every ``prefill`` and ``generate`` then runs on the panels.
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -487,8 +489,9 @@ def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     # Which weights to pack (path -> given transposed), then a new state: nothing is mutated, so this runs
     # under any trace (generate inside a rollout's scan).
     targets = {tuple(path) + ("kernel",): False for path, module in nnx.iter_graph(model)
-               if type(module) is Linear and module.kernel[...].shape[1] % PANEL == 0}
-    if model.has_lm_head and cfg.tie_word_embeddings and cfg.vocab_size % PANEL == 0:
+               if type(module) is Linear and module.kernel[...].ndim == 2 and module.kernel[...].shape[1] % PANEL == 0}
+    if (model.has_lm_head and cfg.tie_word_embeddings and cfg.vocab_size % PANEL == 0
+            and model.embed_tokens.embedding[...].ndim == 2):
         targets[("embed_tokens", "embedding")] = True
     return nnx.from_flat_state([(path, value.replace(value=pack_panels(value[...], targets[tuple(path)]))
                                  if tuple(path) in targets else value) for path, value in nnx.to_flat_state(state)])

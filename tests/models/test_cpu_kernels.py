@@ -118,7 +118,8 @@ def _tiny(mode, tied, vocab=96, seed=0):
 
 def test_packed_dense_matches_numpy():
     rng = np.random.RandomState(6)
-    for rows, k, n in [(1, 24, 32), (13, 40, 96), (64, 576, 192)]:  # a partial register block, several panels
+    # A partial register block, several panels, several chunks of 64 rows (a prefill).
+    for rows, k, n in [(1, 24, 32), (13, 40, 96), (64, 576, 192), (150, 48, 64)]:
         x, w = rng.randn(rows, k).astype(np.float32), rng.randn(k, n).astype(np.float32)
         want = x.astype(np.float64) @ w
         got = ca.packed_dense(jnp.asarray(x), ca.pack_panels(jnp.asarray(w)))

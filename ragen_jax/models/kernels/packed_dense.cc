@@ -6,7 +6,7 @@
 // columns that lie contiguous along K, and each panel is streamed once for all rows.
 //
 // Operands: x f32 [M, K]; w f32 [N / 32, K, 32] (panel p holds columns 32p .. 32p + 31). Result: f32 [M, N].
-// Work is split over the panels on XLA's intra-op thread pool.
+// Work is split over panels and chunks of rows on XLA's intra-op thread pool.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -21,6 +21,7 @@ namespace {
 
 constexpr int kPanel = 32;
 constexpr int kRows = 8;  // rows per register block: 8 x 2 accumulators of 16 floats
+constexpr int64_t kChunkRows = 64;  // rows per task
 // 16 floats; aligned(4) makes loads and stores through it unaligned-safe. GCC and Clang lower it to
 // the widest vectors the target has (AVX-512, AVX2 pairs, NEON quads).
 typedef float f16v __attribute__((vector_size(64), aligned(4)));
@@ -50,24 +51,29 @@ struct Job {
   const float* x;
   const float* w;
   float* y;
-  int64_t M, K, N, panels;
+  int64_t M, K, N, panels, tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-void Panel(const Job& j, int64_t p) {
+// A task is one panel times one chunk of rows; tasks run chunk-major, so a thread keeps its chunk of x
+// in cache while the panels stream past (a prefill of thousands of rows would otherwise re-read all of
+// x for every panel). A decode step is one chunk.
+void Task(const Job& j, int64_t task) {
+  const int64_t chunk = task / j.panels, p = task % j.panels;
   const float* panel = j.w + p * j.K * kPanel;
   float* y = j.y + p * kPanel;
-  int64_t m = 0;
-  for (; m + kRows <= j.M; m += kRows) Block<kRows>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
-  for (; m < j.M; ++m) Block<1>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
+  const int64_t end = std::min(j.M, (chunk + 1) * kChunkRows);
+  int64_t m = chunk * kChunkRows;
+  for (; m + kRows <= end; m += kRows) Block<kRows>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
+  for (; m < end; ++m) Block<1>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
 }
 
-// As in cache_attention.cc: the caller and the pool's tasks take panels from one counter; a late task
-// only drops its reference.
+// As in cache_attention.cc: the caller and the pool's tasks take tasks from one counter; a late pool
+// task only drops its reference.
 void Work(Job& j) {
   int64_t finished = 0;
-  for (int64_t p; (p = j.next.fetch_add(1)) < j.panels; ++finished) Panel(j, p);
+  for (int64_t t; (t = j.next.fetch_add(1)) < j.tasks; ++finished) Task(j, t);
   j.done.fetch_add(finished);
 }
 
@@ -85,10 +91,11 @@ ffi::Error PackedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   job->K = xd[1];
   job->panels = wd[0];
   job->N = wd[0] * kPanel;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->panels - 1);
+  job->tasks = job->panels * ((job->M + kChunkRows - 1) / kChunkRows);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
   Work(*job);
-  while (job->done.load() < job->panels) std::this_thread::yield();
+  while (job->done.load() < job->tasks) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
