@@ -58,6 +58,7 @@ from environments.text.request_body import BodyTooLarge, HeadTimeoutH11Protocol,
 from ragen_jax.compare import apply_overrides, parse_value
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.launch import load_config_file
+from ragen_jax.models.decoder import pack_for_decode
 from ragen_jax.models.kv_cache import init_cache
 from ragen_jax.models.lora import merge_lora
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
@@ -105,7 +106,9 @@ class Generator:
                  tokenization: str = "template"):
         if tokenization not in TOKENIZATIONS:
             raise ValueError(f"tokenization={tokenization!r}; allowed: {', '.join(TOKENIZATIONS)}")
-        self.graphdef, self.params, self.model_cfg, self.tokenizer = graphdef, params, model_cfg, tokenizer
+        self.graphdef, self.model_cfg, self.tokenizer = graphdef, model_cfg, tokenizer
+        # Packed once, at load, for the CPU matmul kernel (a no-op elsewhere: decoder.pack_for_decode).
+        self.params = jax.jit(lambda p: pack_for_decode(graphdef, p))(params)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.tokenization = tokenization
         framing = chat_framing(tokenizer)

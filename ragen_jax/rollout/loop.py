@@ -53,6 +53,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from environments.hashing import lowbias32
+from ragen_jax.models.decoder import pack_for_decode
 from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.models.sharding import cache_shardings
@@ -326,7 +327,9 @@ class Rollout:
     def _rollout(self, params, env_keys, sample_key, forced, greedy: bool = False):
         """The whole episode batch: reset, system prompt, ``max_turns`` turns under ``lax.scan``, close.
         ``greedy``: sample at temperature 0 whatever the config says (ReMax's baseline episodes)."""
-        model = (self.graphdef, params)
+        # On a CPU every turn's prefill and decode multiply by the weights in the matmul kernel's panels,
+        # packed here once for the whole rollout (a no-op elsewhere: decoder.pack_for_decode).
+        model = (self.graphdef, params if self.remote is not None else pack_for_decode(self.graphdef, params))
         carry = self._initial_carry(model, env_keys, sample_key)
         carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t, greedy), carry,
                                        jnp.arange(self.config.max_turns))
