@@ -480,6 +480,8 @@ def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     (stacked) layers keep XLA's matmul. Packing reads and writes every weight once; weights already in
     panels are left as they are, so a caller that decodes many times with the same weights (a server,
     a benchmark) packs once, at load, and every ``prefill`` and ``generate`` then runs on the panels.
+    The packed copy lives beside the weights it was made from while it is in use (one more copy of
+    the float32 projections in memory during a rollout).
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
