@@ -119,7 +119,8 @@ def kernels_apply(mode: str, dtype) -> bool:
     on_cpu = jax.default_backend() == "cpu"
     if mode == "on":
         if not on_cpu:
-            raise ValueError(f"model.cpu_kernels='on' needs a CPU backend; use 'auto' or 'off' on {jax.default_backend()}.")
+            raise ValueError(f"model.cpu_kernels='on' needs a CPU backend; use 'auto' or 'off' on "
+                             f"{jax.default_backend()}.")
         if jnp.dtype(dtype) != jnp.float32:
             raise ValueError(f"model.cpu_kernels='on' needs float32 computation, got {jnp.dtype(dtype)}; use 'auto'.")
         if not available():
@@ -160,7 +161,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, positions: 
     positions = positions.astype(jnp.int32)
 
     def call(q, k, v):
-        return jax.ffi.ffi_call("ragen_cache_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, layer, positions)
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        return jax.ffi.ffi_call("ragen_cache_attention", out)(q, k, v, layer, positions)
 
     @jax.custom_vjp
     def attend(q, k, v):

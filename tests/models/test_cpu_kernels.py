@@ -153,12 +153,15 @@ def test_greedy_decode_and_logits_agree_with_the_xla_forms(tied):
 def test_packing_applies_where_the_kernels_run():
     from ragen_jax.models.decoder import pack_for_decode
 
-    cfg, model = _tiny("on", tied=True)
-    packed = nnx.merge(*(lambda g, s: (g, pack_for_decode(g, s)))(*nnx.split(model)))
-    assert packed.embed_tokens.embedding[...].shape == (96 // 32, 64, 32)
-    assert packed.layers[0].mlp.up_proj.kernel[...].shape == (128 // 32, 64, 32)
-    cfg, model = _tiny("on", tied=True, vocab=97)  # a width that is not a multiple of 32 keeps XLA's matmul
-    assert nnx.merge(*(lambda g, s: (g, pack_for_decode(g, s)))(*nnx.split(model))).embed_tokens.embedding[...].ndim == 2
+    def packed(model):
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, pack_for_decode(graphdef, state))
+
+    model = packed(_tiny("on", tied=True)[1])
+    assert model.embed_tokens.embedding[...].shape == (96 // 32, 64, 32)
+    assert model.layers[0].mlp.up_proj.kernel[...].shape == (128 // 32, 64, 32)
+    # A width that is not a multiple of 32 keeps XLA's matmul; 'off' packs nothing.
+    assert packed(_tiny("on", tied=True, vocab=97)[1]).embed_tokens.embedding[...].ndim == 2
     graphdef, state = nnx.split(_tiny("off", tied=True)[1])
     assert pack_for_decode(graphdef, state) is state
 
