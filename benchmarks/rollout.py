@@ -27,7 +27,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import environments  # noqa: E402
 from ragen_jax.models import Decoder, ModelConfig  # noqa: E402
-from ragen_jax.rollout import RolloutConfig, make_rollout  # noqa: E402
+from ragen_jax.config import RolloutConfig  # noqa: E402
+from ragen_jax.rollout import make_rollout  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(os.path.dirname(HERE), "ragen_jax", "assets", "tiny_tokenizer")

@@ -440,7 +440,8 @@ def bench_rollout(args, hf, ours, tunix, tok) -> dict:
     from tunix.rl.rollout import base_rollout, vanilla_rollout
 
     import environments
-    from ragen_jax.rollout import RolloutConfig, make_rollout
+    from ragen_jax.config import RolloutConfig
+    from ragen_jax.rollout import make_rollout
 
     cfg, graphdef, params = ours
     tcfg, tmodel = tunix
