@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["environments", "environments.*", "ragen_jax", "ragen_jax.*"]),
-    package_data={"ragen_jax": ["assets/**/*", "models/kernels/*.cc"], "environments": ["data/*.jsonl"]},
+    package_data={"ragen_jax": ["assets/**/*", "models/kernels/*.cc", "models/kernels/*.h"], "environments": ["data/*.jsonl"]},
     include_package_data=True,
     install_requires=[
         # Two JAX lines: 0.10.x (the newest that installs on Python 3.11) and 0.11.x (Python 3.12,

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 __all__ = ["available", "why_unavailable", "kernels_apply", "cache_attention", "packed_dense", "pack_panels",
            "PANEL"]
 
-_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("cache_attention.cc", "packed_dense.cc")]
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCES = [_KERNELS / name for name in ("cache_attention.cc", "packed_dense.cc")]
+_HEADERS = [_KERNELS / "parallel.h"]
 _TARGETS = {"ragen_cache_attention": "RagenCacheAttention", "ragen_packed_dense": "RagenPackedDense"}
 PANEL = 32  # columns per weight panel (kernels/packed_dense.cc)
 # Flags that let the compiler vectorise the dot products and sums (reassociation) without giving up
@@ -59,7 +61,7 @@ def _build() -> tuple[str | None, str]:
     import jaxlib
 
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in _SOURCES), " ".join(_FLAGS), compiler,
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in _SOURCES + _HEADERS), " ".join(_FLAGS), compiler,
                                     jaxlib.__version__, _cpu_model(), platform.machine()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("RAGEN_JAX_KERNEL_DIR", Path.home() / ".cache" / "ragen_jax" / "kernels"))
     lib = root / f"ragen_cpu_kernels_{key}.so"

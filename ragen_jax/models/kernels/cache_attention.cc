@@ -15,22 +15,18 @@
 //
 // Work is split over the B * K (row, kv head) pairs on XLA's intra-op thread pool.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using ragen::f16v;
 
 namespace {
-
-// 16 floats, unaligned-safe (as in packed_dense.cc).
-typedef float f16v __attribute__((vector_size(64), aligned(4)));
 
 inline float Bf16ToFloat(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -126,23 +122,6 @@ void AttendPair(const Problem& p, int64_t pair, std::vector<float>& scores, std:
   }
 }
 
-// Shared between the caller and the pool's tasks; a task that starts after the work is gone only
-// drops its reference, so the caller never waits for a task the pool has not started.
-struct Shared {
-  Problem problem;
-  int64_t pairs;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void Work(Shared& shared) {
-  std::vector<float> scores, row;
-  int64_t finished = 0;
-  for (int64_t pair; (pair = shared.next.fetch_add(1)) < shared.pairs; ++finished)
-    AttendPair(shared.problem, pair, scores, row);
-  shared.done.fetch_add(finished);
-}
-
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache_k,
                           ffi::AnyBuffer cache_v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
                           ffi::ResultBuffer<ffi::F32> out) {
@@ -156,8 +135,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("cache_attention: the cache must be float32 or bfloat16 bits (uint16)");
   if (cache_v.element_type() != cache_k.element_type())
     return ffi::Error::InvalidArgument("cache_attention: keys and values must share a dtype");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->problem;
+  Problem p;
   p.B = qd[0]; p.T = qd[1]; p.H = qd[2]; p.Hd = qd[3];
   p.K = cd[2]; p.S = cd[3];
   if (cd[1] != p.B || cd[4] != p.Hd || p.H % p.K != 0)
@@ -170,12 +148,10 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.bits = bits;
   p.positions = positions.typed_data();
   p.out = out->typed_data();
-  shared->pairs = p.B * p.K;
-  // Every pool thread and the caller take pairs from one counter until none is left.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->pairs - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Work(*shared); });
-  Work(*shared);
-  while (shared->done.load() < shared->pairs) std::this_thread::yield();
+  ragen::ParallelFor(pool, p.B * p.K, [p](int64_t pair) {
+    thread_local std::vector<float> scores, row;  // scratch, kept per thread across calls
+    AttendPair(p, pair, scores, row);
+  });
   return ffi::Error::Success();
 }
 

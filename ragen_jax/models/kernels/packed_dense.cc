@@ -8,24 +8,19 @@
 // Operands: x f32 [M, K]; w f32 [N / 32, K, 32] (panel p holds columns 32p .. 32p + 31). Result: f32 [M, N].
 // Work is split over panels and chunks of rows on XLA's intra-op thread pool.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using ragen::f16v;
 
 namespace {
 
 constexpr int kPanel = 32;
 constexpr int kRows = 8;  // rows per register block: 8 x 2 accumulators of 16 floats
 constexpr int64_t kChunkRows = 64;  // rows per task
-// 16 floats; aligned(4) makes loads and stores through it unaligned-safe. GCC and Clang lower it to
-// the widest vectors the target has (AVX-512, AVX2 pairs, NEON quads).
-typedef float f16v __attribute__((vector_size(64), aligned(4)));
-
 template <int R>
 inline void Block(const float* __restrict x, const float* __restrict panel, float* __restrict y, int64_t K,
                   int64_t N) {
@@ -51,9 +46,7 @@ struct Job {
   const float* x;
   const float* w;
   float* y;
-  int64_t M, K, N, panels, tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t M, K, N, panels;
 };
 
 // A task is one panel times one chunk of rows; tasks run chunk-major, so a thread keeps its chunk of x
@@ -69,33 +62,21 @@ void Task(const Job& j, int64_t task) {
   for (; m < end; ++m) Block<1>(j.x + m * j.K, panel, y + m * j.N, j.K, j.N);
 }
 
-// As in cache_attention.cc: the caller and the pool's tasks take tasks from one counter; a late pool
-// task only drops its reference.
-void Work(Job& j) {
-  int64_t finished = 0;
-  for (int64_t t; (t = j.next.fetch_add(1)) < j.tasks; ++finished) Task(j, t);
-  j.done.fetch_add(finished);
-}
-
 ffi::Error PackedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1])
     return ffi::Error::InvalidArgument("packed_dense: x must be [M, K] and w [N / 32, K, 32]");
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->M = xd[0];
-  job->K = xd[1];
-  job->panels = wd[0];
-  job->N = wd[0] * kPanel;
-  job->tasks = job->panels * ((job->M + kChunkRows - 1) / kChunkRows);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->done.load() < job->tasks) std::this_thread::yield();
+  Job j;
+  j.x = x.typed_data();
+  j.w = w.typed_data();
+  j.y = y->typed_data();
+  j.M = xd[0];
+  j.K = xd[1];
+  j.panels = wd[0];
+  j.N = wd[0] * kPanel;
+  ragen::ParallelFor(pool, j.panels * ((j.M + kChunkRows - 1) / kChunkRows), [j](int64_t task) { Task(j, task); });
   return ffi::Error::Success();
 }
 
