@@ -76,7 +76,8 @@ class ModelConfig:
         accelerators, where a block costs kernel launches. Same numbers up to float rounding.
       cpu_kernels: the decode loop's two CPU kernels (`models/cpu_kernels.py`, C++ built on first use,
         float32 computation): attention over the KV cache read in place, and the weight matmuls of
-        `generate` with weights repacked once per call. 'auto' (default): on a single-device CPU where
+        decoding on weights repacked once (per `generate` call, per rollout, at a server's load;
+        `decoder.pack_for_decode`). 'auto' (default): on a single-device CPU where
         they build; 'on': always (an error where they cannot run); 'off': XLA's forms. Same numbers
         up to float rounding.
       lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter

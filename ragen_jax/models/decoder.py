@@ -455,14 +455,12 @@ class Decoder(nnx.Module):
         if not self.has_lm_head:
             raise ValueError("this Decoder was built with lm_head=False (a critic's trunk): it has hidden states, "
                              "no logits")
-        weight = (self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head.kernel)[...]
+        tied = self.cfg.tie_word_embeddings
+        weight = (self.embed_tokens.embedding if tied else self.lm_head.kernel)[...]  # [V, D] tied, else [D, V]
         if weight.ndim == 3:  # in panels (pack_for_decode)
             return packed_dense(hidden, weight)
-        if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding[...].astype(dtype)  # [V, D]
-            return jnp.einsum("btd,vd->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...].astype(dtype)  # [D, V]
-        return jnp.einsum("btd,dv->btv", hidden.astype(dtype), w, preferred_element_type=jnp.float32)
+        spec = "btd,vd->btv" if tied else "btd,dv->btv"
+        return jnp.einsum(spec, hidden.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array,
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
