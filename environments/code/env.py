@@ -15,64 +15,17 @@ problem's prompt (``from typing import List``) are put before the answer, which 
 """
 from __future__ import annotations
 
-import json
+import collections
 import re
 import threading
 
 import numpy as np
 
-from environments.code.problems import CodeProblem, load_problems, split_problems
+from environments.code.judge import run_function_tests
+from environments.code.problems import CodeProblem, load_problems, problem_sources, split_problems
 from environments.code.sandbox import Limits, Sandbox
 
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
-
-# Runs the answer and the tests in one interpreter inside the sandbox and writes outcome.json:
-# {"passed": k, "failure": {...} | None} (the parent knows how many tests it sent). The answer's own output goes to stdout.
-_HARNESS = r'''
-import json, linecache, sys, traceback
-
-def compiled(source, name):
-    # Registered with linecache so a traceback can quote the failing line of code given as a string.
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-    return compile(source, name, "exec")
-
-def where(e, name):
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == name]
-    return (frames[-1].line or "") if frames else ""
-
-def failure(stage, e, name, test=""):
-    return {"stage": stage, "error": type(e).__name__, "message": str(e)[:2000], "line": where(e, name), "test": test}
-
-def finish(passed, fail):
-    with open("outcome.json", "w") as f:
-        json.dump({"passed": passed, "failure": fail}, f)
-    sys.stdout.flush()
-
-spec = json.load(open("spec.json"))
-scope = {"__name__": "__solution__"}
-try:
-    exec(compiled(open("solution.py").read(), "solution.py"), scope)
-    if not callable(scope.get(spec["entry_point"])):
-        raise NameError(f"the program defines no function {spec['entry_point']}()")
-except BaseException as e:
-    finish(0, failure("load", e, "solution.py"))
-    raise SystemExit(0)
-passed, fail = 0, None
-if spec["test"]:
-    try:
-        exec(compiled(spec["test"], "test.py"), scope)
-        scope["check"](scope[spec["entry_point"]])
-        passed += 1
-    except BaseException as e:
-        fail = failure("test", e, "test.py")
-for i, test in enumerate(spec["tests"]):
-    try:
-        exec(compiled(test, f"test{i}.py"), scope)
-        passed += 1
-    except BaseException as e:
-        fail = fail or failure("test", e, f"test{i}.py", test)
-finish(passed, fail)
-'''
 
 
 def extract_program(answer: str) -> str:
@@ -90,6 +43,14 @@ def cut_text(text: str, n: int) -> str:
     return text if len(text) <= n else text[: max(0, n - 3)] + "..."
 
 
+def plain_text(text: str) -> str:
+    """Text the program controls, made safe to show: printable ASCII and newlines only (other
+    characters escaped), so ``n`` characters are at most ``n`` tokens of any byte-level tokenizer
+    and a cut observation always fits ``max_obs_tokens``."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if c == "\n" or " " <= c <= "~" else f"\\x{ord(c):02x}" for c in text)
+
+
 def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.strip("\n").splitlines()]
 
@@ -100,34 +61,46 @@ def _same_output(got: str, expected: str) -> bool:
 
 
 class CodeEnv:
-    """One coding problem per episode; answers run in the sandbox (see the module docstring)."""
+    """One coding problem per episode; answers run in the sandbox (see the module docstring).
+
+    ``counters``: how runs ended since the host last took them (``HostEnv.take_counters``, logged
+    as ``env/*`` each step): ``runs``, ``timeouts``, ``killed``, ``output_limit``,
+    ``program_stopped`` (it ended or spoke garbage before the tests finished), ``sandbox_errors``
+    (the sandbox or the judge failed: reward 0, never an exception out of ``step``).
+    """
 
     action_names = None  # free text: the program
     instruction = ("You are an expert Python programmer. Solve the problem with a complete Python program. Write "
                    "the whole program inside <answer> </answer>: for a function, its full definition with the imports "
                    "it needs; for a problem with input, a script that reads standard input and prints the answer. "
                    "If a test fails you will see it and may answer again.\n")
-    _sandboxes: dict = {}  # one sandbox (one worker pool) per set of limits, shared by every row
+    _sandboxes: dict = {}  # one sandbox (one worker pool) per set of settings, shared by every row
     _lock = threading.Lock()
 
     def __init__(self, dataset: str = "humaneval", data_path: str | None = None, split: str = "train",
                  validation_fraction: float = 0.2, split_seed: int = 0, partial_credit: bool = False,
-                 timeout_s: float = 5.0, memory_mb: int = 1024, max_workers: int = 4,
-                 max_feedback_chars: int = 400, python: str | None = None):
+                 timeout_s: float = 5.0, memory_mb: int = 1024, max_workers: int = 4, disk_mb: int = 64,
+                 max_feedback_chars: int = 400, python: str | None = None, allow_unsandboxed: bool = False,
+                 expose_packages: bool = False):
         if not 0.0 <= float(validation_fraction) < 1.0:
             raise ValueError(f"config.env.validation_fraction={validation_fraction!r} must be in [0, 1)")
         self.problems = split_problems(load_problems(dataset, data_path), split, float(validation_fraction),
                                        int(split_seed))
         self.partial_credit = bool(partial_credit)
         self.max_feedback_chars = int(max_feedback_chars)
-        self.limits = Limits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), max_workers=int(max_workers))
-        key = (self.limits, python)
+        self.limits = Limits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), max_workers=int(max_workers),
+                             disk_mb=int(disk_mb))
+        # The problem files (tests, expected outputs, canonical solutions) are hidden from programs.
+        hide = problem_sources(dataset, data_path)
+        key = (self.limits, python, bool(allow_unsandboxed), bool(expose_packages), hide)
         with CodeEnv._lock:
             if key not in CodeEnv._sandboxes:
-                CodeEnv._sandboxes[key] = Sandbox(self.limits, python=python)
+                CodeEnv._sandboxes[key] = Sandbox(self.limits, python=python, allow_unsandboxed=bool(allow_unsandboxed),
+                                                  expose_packages=bool(expose_packages), hide=hide)
         self.sandbox = CodeEnv._sandboxes[key]
         self.parallel_steps = int(max_workers)  # HostEnv steps this many rows at once
         self.problem: CodeProblem | None = None
+        self.counters: collections.Counter = collections.Counter()
 
     # ---- the episode --------------------------------------------------------------------
     def reset(self, seed: int) -> str:
@@ -149,56 +122,92 @@ class CodeEnv:
         passed, total, feedback = self.run_tests(self.problem, program)
         solved = total > 0 and passed == total
         reward = 1.0 if solved else (passed / total if self.partial_credit and total else 0.0)
+        reward = min(max(float(reward), 0.0), 1.0)
         text = "All tests passed." if solved else f"{feedback}\nPassed {passed}/{total} tests. Fix the program."
-        return text, float(reward), solved, {"success": solved, "tests_passed": passed, "tests_total": total}
+        return text, reward, solved, {"success": solved, "tests_passed": passed, "tests_total": total}
+
+    def take_counters(self) -> dict:
+        """The counters since the last call (then zeroed)."""
+        out, self.counters = dict(self.counters), collections.Counter()
+        return out
 
     # ---- execution ----------------------------------------------------------------------
     def run_tests(self, problem: CodeProblem, program: str) -> tuple[int, int, str]:
-        """``(tests passed, tests, feedback on the first failure)`` of ``program`` on ``problem``."""
-        if problem.function_style:
-            return self._run_function_tests(problem, program)
-        return self._run_io_tests(problem, program)
+        """``(tests passed, tests, feedback on the first failure)`` of ``program`` on ``problem``.
+        Never raises for anything the program does: a sandbox failure is 0 passed and a line of
+        feedback, counted in ``counters["sandbox_errors"]``."""
+        total = (1 if problem.test else 0) + len(problem.tests) if problem.function_style else len(problem.io)
+        try:
+            if problem.function_style:
+                passed, total, feedback = self._run_function_tests(problem, program)
+            else:
+                passed, total, feedback = self._run_io_tests(problem, program)
+        except Exception as e:  # noqa: BLE001 — no program may abort training through the sandbox
+            self.counters["sandbox_errors"] += 1
+            return 0, total, cut_text(f"The sandbox failed to run the program ({type(e).__name__}).",
+                                      self.max_feedback_chars)
+        return min(max(int(passed), 0), total), total, feedback
+
+    def _count(self, result) -> None:
+        self.counters["runs"] += 1
+        if result.status in ("timeout", "killed", "output_limit"):
+            self.counters[{"timeout": "timeouts"}.get(result.status, result.status)] += 1
+        if result.status == "sandbox_error":
+            self.counters["sandbox_errors"] += 1
 
     def _run_function_tests(self, p: CodeProblem, program: str) -> tuple[int, int, str]:
-        spec = {"entry_point": p.entry_point, "test": p.test or "", "tests": list(p.tests)}
-        total = (1 if p.test else 0) + len(p.tests)
-        result = self.sandbox.run(_HARNESS, files={"solution.py": _imports(p.prompt) + program,
-                                                   "spec.json": json.dumps(spec)}, keep=("outcome.json",))
-        limit = self._limit_feedback(result)
-        if limit:
-            return 0, total, limit
-        try:
-            outcome = json.loads(result.files.get("outcome.json", ""))
-            passed, fail = int(outcome["passed"]), outcome["failure"]
-        except (ValueError, KeyError, TypeError):
-            # No report: the program ended the interpreter itself (exit(), os._exit, a crash).
-            tail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.exit_code}"]
-            return 0, total, cut_text(f"The program stopped before the tests finished: {tail[0]}", self.max_feedback_chars)
+        verdict = run_function_tests(self.sandbox, prelude=p.prompt, program=_imports(p.prompt) + program,
+                                     test=p.test or "", tests=p.tests, entry_point=p.entry_point)
+        result = verdict.run
+        self._count(result)
+        if verdict.judge_error is not None or result.status == "sandbox_error":
+            if result.status != "sandbox_error":
+                self.counters["sandbox_errors"] += 1
+            return 0, verdict.total, "The test harness failed; this answer was not judged."
+        fail = verdict.failure
+        if verdict.stopped in ("ended", "timeout", "garbled"):
+            self.counters["program_stopped"] += 1
+            limit = self._limit_feedback(result)
+            if verdict.stopped == "garbled":
+                why = "its function's results could not be read (it wrote to the harness's channel)"
+            else:
+                tail = plain_text(result.stderr).strip().splitlines()[-1:]
+                why = limit or (tail[0] if tail else f"exit code {result.exit_code}")
+            text = f"The program stopped before the tests finished: {why}"
+            if fail is not None:
+                text = self._failure_text(fail) + "\n" + text
+            return verdict.passed, verdict.total, cut_text(text, self.max_feedback_chars)
         if fail is None:
-            return passed, total, ""
+            return verdict.passed, verdict.total, ""
+        return verdict.passed, verdict.total, cut_text(self._failure_text(fail), self.max_feedback_chars)
+
+    @staticmethod
+    def _failure_text(fail: dict) -> str:
+        fail = {k: plain_text(v) for k, v in fail.items()}
         head = f"{fail['error']}: {fail['message']}".rstrip(": ") if fail["message"] else fail["error"]
         if fail["stage"] == "load":
-            text = f"Running the program failed: {head}" + (f"\nat: {fail['line']}" if fail["line"] else "")
-        else:
-            failing = fail["test"] or fail["line"]
-            text = f"A test failed: {failing}\n{head}" if failing else f"A test failed: {head}"
-        return passed, total, cut_text(text, self.max_feedback_chars)
+            return f"Running the program failed: {head}" + (f"\nat: {fail['line']}" if fail["line"] else "")
+        failing = fail["test"] or fail["line"]
+        return f"A test failed: {failing}\n{head}" if failing else f"A test failed: {head}"
 
     def _run_io_tests(self, p: CodeProblem, program: str) -> tuple[int, int, str]:
         passed, feedback = 0, ""
         for given, expected in p.io:
             result = self.sandbox.run(program, stdin=given)
+            self._count(result)
             limit = self._limit_feedback(result)
-            if limit or result.exit_code != 0:
-                bad = limit or "Runtime error: " + (result.stderr.strip().splitlines() or ["(no message)"])[-1]
+            if result.status == "sandbox_error":
+                bad = "The sandbox failed to run the program; this answer was not judged."
+            elif limit or result.exit_code != 0:
+                bad = limit or "Runtime error: " + (plain_text(result.stderr).strip().splitlines() or ["(no message)"])[-1]
             elif _same_output(result.stdout, expected):
                 passed += 1
                 continue
             else:
                 bad = (f"Wrong answer.\nInput:\n{cut_text(given, 150)}\nExpected:\n{cut_text(expected, 150)}\n"
-                       f"Got:\n{cut_text(result.stdout, 150)}")
+                       f"Got:\n{cut_text(plain_text(result.stdout), 150)}")
             feedback = feedback or cut_text(bad, self.max_feedback_chars)
-            if not self.partial_credit:
+            if not self.partial_credit or result.status == "sandbox_error":
                 break  # the reward is all or nothing: the first failure decides it
         return passed, len(p.io), feedback
 

@@ -99,6 +99,13 @@ def load_problems(dataset: str = "humaneval", data_path: str | None = None) -> l
     return [_problem(r, f"{path}:{i + 1}") for i, r in enumerate(rows)]
 
 
+def problem_sources(dataset: str = "humaneval", data_path: str | None = None) -> tuple[str, ...]:
+    """The directories holding the problems' files (tests, expected outputs, solutions): the
+    sandbox hides them from the programs it runs."""
+    path = Path(data_path) if data_path else humaneval_path() if dataset == "humaneval" else None
+    return () if path is None else (str(path.resolve().parent),)
+
+
 def split_problems(problems: list[CodeProblem], split: str, validation_fraction: float,
                    split_seed: int) -> list[CodeProblem]:
     """The problems of ``split``: a problem's own ``split`` field, else a seeded draw."""

@@ -29,6 +29,9 @@ environments their actions; the bytes travel to the host with the step call.
 An env whose ``step`` mostly waits (a subprocess, a server) may set ``parallel_steps = N``: the
 rows of a batch are then stepped N at a time in threads (each row has its own env instance).
 
+An env may count events (``take_counters() -> dict``, zeroing its counts): ``HostEnv.take_counters``
+sums the rows' and the trainer logs them as ``env/<name>`` each step.
+
 ``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
 ``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
 same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
@@ -141,6 +144,18 @@ class HostEnv(AgentFacing):
 
     def _name(self, i: int) -> str:
         return type(self.envs[i]).__name__
+
+    def take_counters(self) -> dict[str, float]:
+        """The rows' event counters since the last call, summed (an env that keeps counts defines
+        ``take_counters() -> dict``: the code sandbox's time-outs and failures); the trainer logs
+        them as ``env/<name>`` each step."""
+        total: dict[str, float] = {}
+        for env in self.envs:
+            take = getattr(env, "take_counters", None)
+            if callable(take):
+                for name, value in take().items():
+                    total[name] = total.get(name, 0.0) + float(value)
+        return total
 
     def _call(self, i: int, what: str, fn):
         """Run the Python env's reset/step, at most ``step_timeout_s`` seconds; its exception (or the

