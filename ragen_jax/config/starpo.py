@@ -128,13 +128,17 @@ class StarPOConfig(Section):
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
-    # policy_loss='rollout_correction': importance weights and rejection (token | sequence | none).
+    ppo_kl_coef: float = 0.1  # verl's PolicyLossConfig default (its KL-Cov recipe sets 1.0)
+    # policy_loss='rollout_correction' (verl's): importance weights (token | sequence | none), rejection
+    # (token | sequence | geometric | none), the veto of sequences with a token whose ratio is below
+    # rollout_token_veto_threshold (0 = off) and the weights' batch normalisation.
     rollout_is: str = "token"
     rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
     rollout_rs: str = "none"
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.5
+    rollout_token_veto_threshold: float = 0.0
     # DAPO's overlong reward shaping (0 = off): replies longer than overlong_max_len - overlong_buffer_len
     # tokens lose up to overlong_penalty_factor, linearly over the buffer; overlong_max_len None =
     # rollout.max_new_tokens. overlong_filter: episodes cut by max_seq_len or max_new_tokens do not train.
@@ -229,11 +233,11 @@ class StarPOConfig(Section):
         for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
             check_number(s, name, getattr(self, name), 0.0, strict=True)
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
-                     "overlong_penalty_factor"):
+                     "rollout_token_veto_threshold", "overlong_penalty_factor"):
             check_number(s, name, getattr(self, name))
-        for name in ("rollout_is", "rollout_rs"):
-            check(getattr(self, name) in losses.ROLLOUT_IS_LEVELS,
-                   f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(losses.ROLLOUT_IS_LEVELS)}.")
+        for name, levels in (("rollout_is", losses.ROLLOUT_IS_LEVELS), ("rollout_rs", losses.ROLLOUT_RS_LEVELS)):
+            check(getattr(self, name) in levels, f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(levels)}.")
+        check(isinstance(self.rollout_is_batch_normalize, bool), f"{s}.rollout_is_batch_normalize must be True or False.")
         check_int(s, "overlong_buffer_len", self.overlong_buffer_len, 0)
         if self.overlong_max_len is not None:
             check_int(s, "overlong_max_len", self.overlong_max_len, 1)
@@ -258,8 +262,8 @@ class StarPOConfig(Section):
     def policy_loss_hparams(self) -> dict:
         """Every policy loss's settings; each registered loss reads the ones it uses."""
         names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                 "kl_cov_ratio", "ppo_kl_coef", "rollout_is", "rollout_is_threshold", "rollout_rs",
-                 "rollout_rs_threshold", "rollout_rs_threshold_lower")
+                 "kl_cov_ratio", "ppo_kl_coef", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
+                 "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold")
         return {name: getattr(self, name) for name in names}
 
     @property

@@ -287,7 +287,7 @@ def clip_cov_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
 
 
 @POLICY_LOSSES.register("kl_cov")
-def kl_cov_loss(logp, old_logp, advantages, loss_mask, *, kl_cov_ratio=0.0002, ppo_kl_coef=1.0, **_):
+def kl_cov_loss(logp, old_logp, advantages, loss_mask, *, kl_cov_ratio=0.0002, ppo_kl_coef=0.1, **_):
     """KL-Cov (Cui et al., 2025; verl's ``kl_cov``): the unclipped surrogate ``-A rho``, plus
     ``ppo_kl_coef * |logp - old_logp|`` on the ``max(1, int(kl_cov_ratio * tokens))`` tokens with the
     largest covariance ``(A - mean A)(logp - mean logp)``. Statistics are over the (micro-)batch.
@@ -339,44 +339,117 @@ def geo_mean_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
 
 
 ROLLOUT_IS_LEVELS = ("token", "sequence", "none")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric", "none")
+
+
+def _masked_sum_rows(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0), axis=-1, keepdims=True)
+
+
+def rollout_correction_terms(logp, old_logp, loss_mask, *, rollout_is="token", rollout_is_threshold=2.0,
+                             rollout_rs="none", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5,
+                             rollout_token_veto_threshold=0.0, **_):
+    """verl's rollout correction (``compute_rollout_correction_and_rejection_mask``, v0.7): importance
+    weights and the tokens rejection sampling and the veto leave in the batch. No gradient flows.
+
+    With ``d = logp - old_logp`` per token (``old_logp``: the rollout policy's):
+      * IS weight (``rollout_is``): token ``exp(clip(d, ±20))``; sequence ``exp(clip(sum_t d, ±20))``;
+        ``none`` 1. Truncated at ``rollout_is_threshold``; 0 outside the mask.
+      * rejection (``rollout_rs``): the token's / the sequence's ``exp(clip(sum d))`` / the geometric
+        mean ``exp(clip(mean_t d))`` must lie in ``[rollout_rs_threshold_lower, rollout_rs_threshold]``.
+      * veto (``rollout_token_veto_threshold`` > 0): a sequence holding any token with
+        ``exp(d) < threshold`` is rejected whole.
+    Returns a dict of ``[B, L]`` arrays: ``weights`` (truncated), ``truncated``, ``kept`` (mask tokens
+    neither rejected nor vetoed), and the batch normaliser's parts, summable over micro-batches:
+    ``weight_sum`` / ``weight_count`` (token level: sum of weights / tokens; sequence level: sum of
+    the rows' weights / rows with tokens).
+    """
+    if rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"starpo.rollout_is={rollout_is!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
+    if rollout_rs not in ROLLOUT_RS_LEVELS:
+        raise ValueError(f"starpo.rollout_rs={rollout_rs!r}; allowed: {', '.join(ROLLOUT_RS_LEVELS)}.")
+    mask = loss_mask.astype(bool)
+    d = jax.lax.stop_gradient(logp - old_logp)
+    n_row = jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32)
+    seq_sum = _masked_sum_rows(d, mask)
+    level_ratio = {
+        "token": jnp.exp(jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
+        "sequence": jnp.broadcast_to(jnp.exp(jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), d.shape),
+        "geometric": jnp.broadcast_to(jnp.exp(jnp.clip(seq_sum / jnp.maximum(n_row, 1.0), -LOG_RATIO_CLAMP,
+                                                       LOG_RATIO_CLAMP)), d.shape),
+        "none": jnp.ones_like(d),
+    }
+    ratio = level_ratio[rollout_is]
+    truncated = mask & (ratio > rollout_is_threshold) & (rollout_is != "none")
+    weights = jnp.where(mask, ratio if rollout_is == "none" else jnp.minimum(ratio, rollout_is_threshold), 0.0)
+    rs_ratio = level_ratio[rollout_rs]
+    rejected = (rs_ratio > rollout_rs_threshold) | (rs_ratio < rollout_rs_threshold_lower)
+    rejected = mask & rejected & (rollout_rs != "none")
+    if rollout_token_veto_threshold > 0:
+        catastrophic = mask & (d < jnp.log(jnp.float32(rollout_token_veto_threshold)))
+        rejected = rejected | (mask & jnp.any(catastrophic, axis=-1, keepdims=True))
+    has = n_row[:, 0] > 0
+    if rollout_is == "sequence":
+        row_w = jnp.sum(weights, axis=-1) / jnp.maximum(n_row[:, 0], 1.0)
+        weight_sum, weight_count = jnp.sum(jnp.where(has, row_w, 0.0)), jnp.sum(has).astype(jnp.float32)
+    else:
+        weight_sum, weight_count = jnp.sum(weights), jnp.sum(mask).astype(jnp.float32)
+    return {"weights": weights, "truncated": truncated, "kept": mask & ~rejected,
+            "weight_sum": weight_sum, "weight_count": weight_count}
+
+
+def needs_batch_statistics(policy_loss_name: str, hparams: dict) -> bool:
+    """True when the policy loss depends on statistics of the whole (mini-)batch under the current
+    policy — rollout correction's rejection, veto and weight normalisation: the update then measures
+    them in a forward pass over the mini-batch before its gradient pass (exact under micro-batching)."""
+    return policy_loss_name == "rollout_correction" and (
+        hparams.get("rollout_rs", "none") != "none" or hparams.get("rollout_token_veto_threshold", 0.0) > 0
+        or bool(hparams.get("rollout_is_batch_normalize", False)))
 
 
 @POLICY_LOSSES.register("rollout_correction")
 def rollout_correction_loss(logp, old_logp, advantages, loss_mask, *, rollout_is="token", rollout_is_threshold=2.0,
-                            rollout_rs="none", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5, **_):
-    """Policy gradient with rollout importance correction, no PPO clip (verl's ``rollout_correction``
-    in its bypass mode, where the old log-probs *are* the rollout policy's):
+                            rollout_rs="none", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5,
+                            rollout_token_veto_threshold=0.0, rollout_is_batch_normalize=False, kept_mask=None,
+                            is_weight_mean=None, **_):
+    """Policy gradient with rollout importance correction, no PPO clip (verl's ``bypass_mode`` with
+    ``loss_type='reinforce'``, where the old log-probs *are* the rollout policy's):
 
-        w = min(exp(logp - old_logp), rollout_is_threshold)       per token (``rollout_is='token'``)
-          or min(exp(sum_t (logp - old_logp)), threshold)        per sequence (``'sequence'``), 1 for 'none'
-        L = -A logp sg(w)
+        L = -A logp sg(w)    on the kept tokens (``rollout_correction_terms``), 0 elsewhere
 
-    Rejection sampling (``rollout_rs`` token | sequence | none) drops tokens / sequences whose ratio
-    lies outside ``[rollout_rs_threshold_lower, rollout_rs_threshold]``. Here ``old_logp`` are the
-    sampling policy's log-probs recomputed by the trainer, equal to the sampler's up to float error,
-    so ``w`` corrects the drift inside one update (several mini-batches or PPO epochs).
-    Metrics: ``ppo_kl``; ``pg_clipfrac`` = fraction of tokens whose weight was truncated,
-    ``pg_clipfrac_lower`` = fraction rejected.
+    ``w`` is the truncated IS weight, divided by its batch mean with ``rollout_is_batch_normalize``
+    (token level: over the batch's tokens; sequence level: over its sequences). Rejected and vetoed
+    tokens leave the objective entirely, as in verl: the actor objective aggregates this term over
+    the kept tokens (its own denominator; the entropy and KL terms keep the full mask) and
+    ``ppo_kl`` is measured on them. Here ``old_logp`` are the sampling policy's log-probs recomputed by
+    the trainer, so ``w`` corrects the drift inside one update (several mini-batches or PPO epochs).
+
+    ``kept_mask`` / ``is_weight_mean`` (``[B, L]`` / scalar): the mini-batch's kept tokens and weight
+    mean, measured by the update before its gradient pass (``needs_batch_statistics``); without them
+    they are this batch's own. Metrics: ``ppo_kl``; ``pg_clipfrac`` = fraction of tokens whose weight
+    was truncated, ``pg_clipfrac_lower`` = fraction rejected; ``kept_mask`` (the tokens the term
+    aggregates over) and ``kept_count``.
     """
-    for name, level in (("rollout_is", rollout_is), ("rollout_rs", rollout_rs)):
-        if level not in ROLLOUT_IS_LEVELS:
-            raise ValueError(f"starpo.{name}={level!r}; allowed: {', '.join(ROLLOUT_IS_LEVELS)}.")
     _check_shapes("rollout_correction_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
     mask = loss_mask.astype(bool)
-    log_ratio = jax.lax.stop_gradient(jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    seq_log_ratio = jnp.sum(jnp.where(mask, log_ratio, 0.0), axis=-1, keepdims=True)
-    level_ratio = {"token": jnp.exp(log_ratio),
-                   "sequence": jnp.broadcast_to(jnp.exp(jnp.clip(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
-                                                log_ratio.shape),
-                   "none": jnp.ones_like(log_ratio)}
-    ratio = level_ratio[rollout_is]
-    weight = jnp.minimum(ratio, rollout_is_threshold)
-    rs_ratio = level_ratio[rollout_rs]
-    rejected = (rs_ratio > rollout_rs_threshold) | (rs_ratio < rollout_rs_threshold_lower)
-    rejected = rejected & (rollout_rs != "none")
-    keep = mask & ~rejected
-    loss = jnp.where(keep, -advantages * logp * weight, 0.0)
-    return loss, _ratio_metrics(logp - old_logp, mask, clipfrac=ratio > rollout_is_threshold, clipfrac_lower=rejected)
+    terms = rollout_correction_terms(logp, old_logp, mask, rollout_is=rollout_is,
+                                     rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs,
+                                     rollout_rs_threshold=rollout_rs_threshold,
+                                     rollout_rs_threshold_lower=rollout_rs_threshold_lower,
+                                     rollout_token_veto_threshold=rollout_token_veto_threshold)
+    kept = terms["kept"] if kept_mask is None else mask & kept_mask.astype(bool)
+    weight = terms["weights"]
+    if rollout_is_batch_normalize:
+        mean = (terms["weight_sum"] / jnp.maximum(terms["weight_count"], 1.0) if is_weight_mean is None
+                else jnp.asarray(is_weight_mean, jnp.float32))
+        weight = jnp.where(mean > 1e-8, weight / jnp.where(mean > 1e-8, mean, 1.0), weight)
+    loss = jnp.where(kept, -advantages * logp * jax.lax.stop_gradient(weight), 0.0)
+    metrics = _ratio_metrics(logp - old_logp, kept, clipfrac=terms["truncated"])
+    metrics["pg_clipfrac"] = masked_mean(terms["truncated"].astype(jnp.float32), mask)
+    metrics["pg_clipfrac_lower"] = masked_mean((mask & ~kept).astype(jnp.float32), mask)
+    metrics["kept_mask"] = kept
+    metrics["kept_count"] = jnp.sum(kept).astype(jnp.float32)
+    return loss, metrics
 
 
 def policy_loss(name: str, logp, old_logp, advantages, loss_mask, **hparams):
@@ -522,6 +595,12 @@ def actor_objective(
     ``entropy`` (``[B, L]``, per-token entropies from ``logprobs.py``) and ``ref_logp`` are only needed when their
     coefficient is non-zero. ``policy_hparams`` go to the policy loss (``clip_ratio_low``, ...).
 
+    A policy loss that rejects tokens (``rollout_correction`` with rejection or the veto; it returns
+    ``kept_mask``) aggregates its term over the kept tokens, with its own denominator (``pg_den``),
+    as verl does; the entropy and KL terms keep ``loss_mask``. The returned numerator then makes
+    ``num / den`` this batch's objective; across micro-batches the exact objective is
+    ``sum pg_num / sum pg_den + sum rest_num / sum den`` (what the StarPO update computes).
+
     Metrics (this micro-batch's values): ``pg_loss``, ``entropy`` (if given), ``kl_loss`` (if
     ``ref_logp`` is given) and the policy loss's own metrics (``pg_clipfrac``, ``pg_clipfrac_lower``,
     ``ppo_kl``); ``pg_num``, ``entropy_num``, ``kl_num`` are the terms' numerators, which
@@ -529,11 +608,17 @@ def actor_objective(
     """
     per_token, metrics = policy_loss(policy_loss_name, logp, old_logp, advantages, loss_mask, **policy_hparams)
     loss_agg_mode = loss_aggregation(policy_loss_name, loss_agg_mode)
-    num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
     metrics = dict(metrics)
+    kept = metrics.pop("kept_mask", None)
+    num, den = aggregate(per_token, loss_mask, loss_agg_mode, row_weights)
     safe_den = jnp.maximum(den, 1e-12)
     metrics["pg_num"] = num
     metrics["pg_loss"] = num / safe_den
+    if kept is not None:  # a loss that rejects tokens: its term is aggregated over the kept ones
+        num, pg_den = aggregate(per_token, kept, loss_agg_mode, row_weights)
+        metrics["pg_num"], metrics["pg_den"] = num, pg_den
+        metrics["pg_loss"] = jnp.where(pg_den > 0, num / jnp.maximum(pg_den, 1e-12), 0.0)
+        num = metrics["pg_loss"] * den  # so that num / den is this batch's objective; see below
     if entropy is not None:
         ent_num, _ = aggregate(entropy, loss_mask, loss_agg_mode, row_weights)
         metrics["entropy_num"] = ent_num
@@ -548,6 +633,8 @@ def actor_objective(
         metrics["kl_num"] = kl_num
         metrics["kl_loss"] = kl_num / safe_den
         num = num + kl_coef * kl_num
+    if kept is not None:
+        metrics["rest_num"] = num - metrics["pg_loss"] * den
     return num, den, metrics
 
 

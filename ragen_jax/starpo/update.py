@@ -321,14 +321,30 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             raw, _ = critic(tokens, positions_for(tokens))
         return adv_lib.align_to_targets(raw.astype(jnp.float32))
 
-    def micro_loss(params, critic_params, rest, mb, den, value_den):
-        """Loss of one micro-batch as its share of the mini-batch aggregate: numerator / (mini-batch den)."""
+    def batch_statistics(params, rest, mb):
+        """What a batch-dependent policy loss (``losses.needs_batch_statistics``) needs of the whole
+        mini-batch under the current parameters, for one micro-batch (forward only): the tokens it
+        keeps ``[m, L]``, their share of the policy term's denominator and the IS weights' sums."""
+        policy = nnx.merge(graphdefs.policy, params, rest[0])
+        logp, _, _ = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk, temperature=cfg.scoring_temperature,
+                                       shared_prefix_len=shared_prefix_len)
+        terms = losses.rollout_correction_terms(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"],
+                                                **policy_hparams)
+        sums = {"pg_den": losses.loss_denominator(terms["kept"], cfg.actor_loss_agg_mode, mb["row_weights"]),
+                "weight_sum": terms["weight_sum"], "weight_count": terms["weight_count"]}
+        return sums, terms["kept"]
+
+    def micro_loss(params, critic_params, rest, mb, den, value_den, pg_den=None, is_weight_mean=None):
+        """Loss of one micro-batch as its share of the mini-batch aggregate: numerator / (mini-batch den).
+        ``pg_den`` / ``is_weight_mean``: a batch-dependent policy loss's mini-batch statistics (its
+        kept tokens come in ``mb["kept_mask"]``); its term is then ``pg_num / pg_den``."""
         policy = nnx.merge(graphdefs.policy, params, rest[0])
         logp, entropy, hidden = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk,
                                                   temperature=cfg.scoring_temperature,
                                                   shared_prefix_len=shared_prefix_len)
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         old_logp = jax.lax.stop_gradient(logp) if single_pass else mb["old_logp"]
+        batch_terms = {} if pg_den is None else {"kept_mask": mb["kept_mask"], "is_weight_mean": is_weight_mean}
         actor_num, _, terms = losses.actor_objective(
             logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.actor_loss_agg_mode, row_weights=row_w,
             policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
@@ -336,15 +352,21 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             # loss off on a config that sets a coefficient must not demand reference log-probs.
             ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type,
             kl_coef=cfg.kl_coef if cfg.use_kl_loss else 0.0,
-            noise=mb.get("policy_noise"), **policy_hparams)
+            noise=mb.get("policy_noise"), **policy_hparams, **batch_terms)
         aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
         if cfg.use_kl_loss:
             aux["kl_num"] = terms["kl_num"]
-        loss = _safe_div(actor_num, den)
+        if pg_den is None:
+            loss = _safe_div(actor_num, den)
+        else:  # rejected tokens leave the policy term's denominator (the other terms keep the mask)
+            loss = _safe_div(terms["pg_num"], pg_den) + _safe_div(terms["rest_num"], den)
         # Token-weighted sums of the per-token metrics, divided by the token count after accumulation.
         n_tok = jnp.sum(mask.astype(jnp.float32))
-        for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        for name in ("pg_clipfrac", "pg_clipfrac_lower"):
             aux[name] = terms[name] * n_tok
+        n_kl = terms.get("kept_count", n_tok)  # ppo_kl is over the tokens the policy term keeps
+        aux["ppo_kl"] = terms["ppo_kl"] * n_kl
+        aux["n_kl_tokens"] = n_kl
         aux["n_tokens"] = n_tok
         if single_pass:
             diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - mb["sampler_logp"]), 0.0)
@@ -360,6 +382,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             aux["vpred_mean"] = v_metrics["vpred_mean"] * n_tok
         return loss, aux
 
+    micro_loss.batch_statistics = batch_statistics
     return micro_loss, critic_values
 
 
@@ -371,7 +394,7 @@ def is_single_pass(cfg, filter_cfg, num_mini: int, per_turn: bool) -> bool:
     the same update (Tunix's GRPO learner with ``num_iterations=1`` makes the same saving)."""
     return (cfg.ppo_epochs == 1 and num_mini == 1 and cfg.critic_mode == "none" and not cfg.uses_reference
             and not cfg.kl_in_reward and snr_filter.GROUP_SCORES.get(filter_cfg.metric).source != "entropy"
-            and not per_turn)
+            and not per_turn and not losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -639,6 +662,9 @@ def make_update_step(
 
     # --- one optimizer step ----------------------------------------------------------------------------
 
+    batch_dependent = losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams)
+    batch_statistics = loss_fns[False][0].batch_statistics
+
     def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array, single: bool):
         params, opt_state, c_params, c_opt, counts = carry
         grad_fn = grad_fns[single]
@@ -646,9 +672,22 @@ def make_update_step(
         den = losses.loss_denominator(mask, cfg.actor_loss_agg_mode, row_w)
         value_den = losses.loss_denominator(mask, "token-mean", row_w)
         micro = jax.tree.map(lambda x: x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:]), mb)
+        pg_den = is_weight_mean = None
+        if batch_dependent:
+            # Rejection, the veto and the weights' mean depend on the current policy over the whole
+            # mini-batch: measured once (a forward pass) before the gradient pass uses them.
+            def measure(acc, md):
+                sums, kept_md = batch_statistics(params, rest, md)
+                return jax.tree.map(jnp.add, acc, sums), kept_md
+
+            zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("pg_den", "weight_sum", "weight_count")}
+            sums, kept_masks = jax.lax.scan(measure, zero_sums, micro)
+            micro = dict(micro, kept_mask=kept_masks)
+            pg_den = sums["pg_den"]
+            is_weight_mean = _safe_div(sums["weight_sum"], sums["weight_count"])
 
         def accumulate(acc, md):
-            (_, aux), grads = grad_fn(params, c_params, rest, md, den, value_den)
+            (_, aux), grads = grad_fn(params, c_params, rest, md, den, value_den, pg_den, is_weight_mean)
             grads, summed = jax.tree.map(jnp.add, acc, (grads, aux))
             if single:  # a maximum over the micro-batches, not a sum
                 summed["sampler_diff_max"] = jnp.maximum(acc[1]["sampler_diff_max"], aux["sampler_diff_max"])
@@ -656,7 +695,7 @@ def make_update_step(
 
         zero_aux = jax.tree.map(
             lambda s: jnp.zeros(s.shape, s.dtype),
-            jax.eval_shape(lambda md: grad_fn(params, c_params, rest, md, den, value_den)[0][1],
+            jax.eval_shape(lambda md: grad_fn(params, c_params, rest, md, den, value_den, pg_den, is_weight_mean)[0][1],
                            jax.tree.map(lambda x: x[0], micro)),
         )
         zero_grads = jax.tree.map(jnp.zeros_like, (params, c_params))
@@ -672,12 +711,12 @@ def make_update_step(
         params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens)
         nonfinite = has_tokens & ~finite
         metrics = {
-            "actor/pg_loss": _safe_div(aux["pg_num"], den),
+            "actor/pg_loss": _safe_div(aux["pg_num"], den if pg_den is None else pg_den),
             "actor/entropy_loss": _safe_div(aux["entropy_num"], den),
             "actor/grad_norm": jnp.where(finite, grad_norm, 0.0),
             "actor/pg_clipfrac": _safe_div(aux["pg_clipfrac"], aux["n_tokens"]),
             "actor/pg_clipfrac_lower": _safe_div(aux["pg_clipfrac_lower"], aux["n_tokens"]),
-            "actor/ppo_kl": _safe_div(aux["ppo_kl"], aux["n_tokens"]),
+            "actor/ppo_kl": _safe_div(aux["ppo_kl"], aux["n_kl_tokens"]),
         }
         if cfg.use_kl_loss:
             metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)

@@ -253,3 +253,78 @@ def rollout_correction(logp, old, adv, mask, level, threshold):
             loss[b, t] = -adv[b, t] * logp[b, t] * w
             grad[b, t] = -adv[b, t] * w
     return loss, grad
+
+
+def _verl_masked_mean(values, mask, axis=None):
+    """verl.utils.torch_functional.masked_mean: sum(values * mask) / (sum(mask) + 1e-8)."""
+    return np.sum(values * mask, axis=axis) / (np.sum(mask, axis=axis) + 1e-8)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, mode):
+    """verl's core_algos.agg_loss on one (micro-)batch, dp_size 1, no global batch info."""
+    if mode == "token-mean":
+        return np.sum(loss_mat * loss_mask) / np.sum(loss_mask)
+    if mode == "seq-mean-token-sum":
+        seq = np.sum(loss_mat * loss_mask, axis=-1)
+        has = (np.sum(loss_mask, axis=-1) > 0).astype(float)
+        return np.sum(seq * has) / np.sum(has)
+    if mode == "seq-mean-token-mean":
+        count = np.sum(loss_mask, axis=-1)
+        seq = np.sum(loss_mat * loss_mask, axis=-1) / (count + 1e-8)
+        has = (count > 0).astype(float)
+        return np.sum(seq * has) / np.sum(has)
+    raise ValueError(mode)
+
+
+def verl_bypass_reinforce(logp, rollout_logp, adv, mask, *, rollout_is="token", is_threshold=2.0,
+                          batch_normalize=False, rollout_rs=None, rs_upper=2.0, rs_lower=None, veto=None,
+                          loss_agg_mode="token-mean"):
+    """verl v0.7's ``compute_policy_loss_bypass_mode`` with ``loss_type='reinforce'``, re-derived in
+    NumPy from its source (``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` and
+    ``compute_policy_loss_reinforce``), on one batch. ``rollout_is`` / ``rollout_rs``: None = off.
+    Returns ``(pg_loss, d pg_loss / d logp, ppo_kl, effective mask)`` (IS weights held fixed)."""
+    mask = mask.astype(float)
+    lr = logp - rollout_logp
+    w = None
+    if rollout_is is not None:
+        if rollout_is == "token":
+            w = np.exp(np.clip(lr, -20, 20))
+        else:
+            w = np.broadcast_to(np.exp(np.clip(np.sum(lr * mask, -1, keepdims=True), -20, 20)), lr.shape).copy()
+        w = np.minimum(w * mask, is_threshold)
+        if batch_normalize:
+            if rollout_is == "token":
+                mean = _verl_masked_mean(w, mask)
+            else:
+                seq_w = _verl_masked_mean(w, mask, axis=-1)
+                has = (np.sum(mask, -1) > 0).astype(float)
+                mean = np.sum(seq_w * has) / max(np.sum(has), 1e-8)
+            if mean > 1e-8:
+                w = w / mean
+    effective = mask.copy()
+    if rollout_rs is not None:
+        lower = rs_lower if rs_lower is not None else 1.0 / rs_upper
+        if rollout_rs == "token":
+            r = np.exp(np.clip(lr, -20, 20))
+        elif rollout_rs == "sequence":
+            r = np.broadcast_to(np.exp(np.clip(np.sum(lr * mask, -1, keepdims=True), -20, 20)), lr.shape)
+        else:  # geometric
+            r = np.broadcast_to(np.exp(np.clip(_verl_masked_mean(lr, mask, axis=-1)[:, None], -20, 20)), lr.shape)
+        effective = effective * ((r >= lower) & (r <= rs_upper))
+    if veto is not None:
+        catastrophic = (lr < np.log(veto)) & (mask > 0)
+        effective = effective * (~catastrophic.any(-1, keepdims=True))
+    weight = np.ones_like(lr) if w is None else w
+    pg = -adv * logp * weight
+    loss = _verl_agg_loss(pg, effective, loss_agg_mode)
+    eps = 1e-6
+    grad = np.zeros_like(logp)
+    for idx in np.ndindex(*logp.shape):  # the gradient by central differences of the same formula
+        bumped = []
+        for sign in (1, -1):
+            x = logp.copy()
+            x[idx] += sign * eps
+            bumped.append(_verl_agg_loss(-adv * x * weight, effective, loss_agg_mode))
+        grad[idx] = (bumped[0] - bumped[1]) / (2 * eps)
+    ppo_kl = _verl_masked_mean(-lr, effective)
+    return loss, grad, ppo_kl, effective

@@ -342,3 +342,77 @@ def test_every_policy_loss_moves_towards_positive_advantages(name):
     grad = jax.grad(lambda x: losses.actor_objective(x, logp, adv, mask, policy_loss_name=name)[0])(logp)
     np.testing.assert_array_less(grad[0], 0.0)
     np.testing.assert_array_less(0.0, grad[1])
+
+
+def test_rollout_rejection_leaves_the_denominator_hand_worked():
+    """Four tokens, the third's ratio 3 above the rejection threshold 2: the kept three give
+    token-mean ((1 + 1 + 1) / 3 = 1.0, not 3 / 4 as with the rejected token still counted), and
+    ppo_kl is measured on the kept tokens (0, not -ln 3 / 4)."""
+    logp = jnp.full((1, 4), -1.0)
+    old = logp - jnp.asarray([[0.0, 0.0, np.log(3.0), 0.0]])
+    adv, mask = jnp.ones((1, 4)), jnp.ones((1, 4), bool)
+    num, den, metrics = losses.actor_objective(logp, old, adv, mask, policy_loss_name="rollout_correction",
+                                               rollout_rs="token", rollout_rs_threshold=2.0,
+                                               rollout_rs_threshold_lower=0.5)
+    np.testing.assert_allclose(float(num / den), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["pg_loss"]), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["ppo_kl"]), 0.0, atol=1e-7)
+    np.testing.assert_allclose(float(metrics["pg_clipfrac_lower"]), 0.25, rtol=1e-6)
+
+
+VERL_CASES = [
+    dict(rollout_is="token"),
+    dict(rollout_is="sequence", is_threshold=5.0),
+    dict(rollout_is=None),
+    dict(rollout_is="token", rollout_rs="token", rs_upper=1.3, rs_lower=0.8),
+    dict(rollout_is="token", rollout_rs="sequence", rs_upper=2.0),
+    dict(rollout_is="token", rollout_rs="geometric", rs_upper=1.1, rs_lower=0.9),
+    dict(rollout_is="token", veto=0.6),
+    dict(rollout_is="token", batch_normalize=True, rollout_rs="token", rs_upper=1.5, rs_lower=0.7),
+    dict(rollout_is="sequence", batch_normalize=True, veto=0.5, loss_agg_mode="seq-mean-token-mean"),
+    dict(rollout_is="token", rollout_rs="token", rs_upper=1.2, rs_lower=0.8, loss_agg_mode="seq-mean-token-sum"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(VERL_CASES)))
+def test_rollout_correction_agrees_with_verl_bypass_reinforce(case):
+    """Loss, gradient and ppo_kl against a NumPy re-derivation of verl v0.7's bypass-mode REINFORCE
+    with rollout correction (IS levels, rejection at token / sequence / geometric level with its
+    bounds, the veto of catastrophic tokens, batch-normalised weights, three aggregations)."""
+    cfg = dict(VERL_CASES[case])
+    logp, old, adv, mask = _policy_batch(case, batch=6, length=8)
+    old[1] = logp[1] - 0.9  # one sequence far off-policy either way
+    old[2] = logp[2] + 0.9
+    mode = cfg.pop("loss_agg_mode", "token-mean")
+    want_loss, want_grad, want_kl, effective = cref.verl_bypass_reinforce(logp, old, adv, mask, loss_agg_mode=mode,
+                                                                         **cfg)
+    ours = dict(rollout_is=cfg.get("rollout_is") or "none", rollout_is_threshold=cfg.get("is_threshold", 2.0),
+                rollout_is_batch_normalize=cfg.get("batch_normalize", False),
+                rollout_rs=cfg.get("rollout_rs") or "none", rollout_rs_threshold=cfg.get("rs_upper", 2.0),
+                rollout_rs_threshold_lower=cfg.get("rs_lower") or 1.0 / cfg.get("rs_upper", 2.0),
+                rollout_token_veto_threshold=cfg.get("veto") or 0.0)
+    lp, o, a, m = _f(logp, old, adv, mask)
+
+    def objective(x):
+        num, den, metrics = losses.actor_objective(x, o, a, m, loss_agg_mode=mode,
+                                                   policy_loss_name="rollout_correction", **ours)
+        return num / den, metrics
+
+    got, metrics = objective(lp)
+    np.testing.assert_allclose(float(got), want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: objective(x)[0])(lp), want_grad, rtol=2e-3, atol=2e-5)
+    np.testing.assert_allclose(float(metrics["ppo_kl"]), want_kl, rtol=1e-5, atol=1e-6)
+    rejected = 1.0 - effective.sum() / mask.sum()
+    np.testing.assert_allclose(float(metrics["pg_clipfrac_lower"]), rejected, rtol=1e-6, atol=1e-7)
+    if cfg.get("rollout_rs") or cfg.get("veto"):
+        assert 0 < rejected < 1  # the case exercises rejection
+
+
+def test_rollout_correction_settings_are_checked():
+    from ragen_jax.config import StarPOConfig
+
+    with pytest.raises(ValueError, match="rollout_rs='geo'; allowed: token, sequence, geometric, none"):
+        StarPOConfig(policy_loss="rollout_correction", rollout_rs="geo")
+    with pytest.raises(ValueError, match="rollout_is='geometric'; allowed: token, sequence, none"):
+        StarPOConfig(policy_loss="rollout_correction", rollout_is="geometric")
+    assert StarPOConfig().ppo_kl_coef == 0.1  # verl's PolicyLossConfig default

@@ -608,3 +608,28 @@ def test_cutting_rows_refuses_the_row_width_normaliser():
         StarPOConfig(seq_len_multiple=64, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="seq_len_multiple must be an int >= 0"):
         StarPOConfig(seq_len_multiple=-1)
+
+
+def test_rollout_rejection_is_exact_under_micro_batching():
+    """Rollout correction with rejection, the veto and batch-normalised weights depends on the whole
+    mini-batch under the current policy: measured before the gradient pass, the update is the same
+    whether the mini-batch runs as one micro-batch or as one row at a time. Two mini-batches with a
+    large step make the second one off-policy, so tokens really are rejected."""
+    traj = random_traj(51)
+    results = []
+    for micro in (None, 1):
+        cfg = StarPOConfig(**{**LINEAR_FIRST_STEP, "mini_batch_size": 4}, micro_batch_size=micro,
+                           policy_loss="rollout_correction", rollout_rs="token", rollout_rs_threshold=1.02,
+                           rollout_rs_threshold_lower=0.98, rollout_token_veto_threshold=0.5,
+                           rollout_is_batch_normalize=True)
+        graphdefs, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE)
+        results.append(update(state, traj, jax.random.key(3)))
+    (s_full, m_full), (s_micro, m_micro) = results
+    assert float(m_full["actor/pg_clipfrac_lower"]) > 0  # some tokens were rejected
+    np.testing.assert_allclose(float(m_full["actor/pg_clipfrac_lower"]), float(m_micro["actor/pg_clipfrac_lower"]),
+                               rtol=1e-5)
+    assert tree_max_abs_diff(s_full.params, s_micro.params) < 1e-5
+    np.testing.assert_allclose(float(m_full["actor/pg_loss"]), float(m_micro["actor/pg_loss"]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(m_full["actor/ppo_kl"]), float(m_micro["actor/ppo_kl"]), rtol=1e-4, atol=1e-7)

@@ -176,9 +176,13 @@ def test_slurm_script_trains_two_steps_as_a_two_task_job(tmp_path):
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     workdir = tmp_path / "run"
     job_id = str(_free_port())  # jax derives the coordinator port from the job id
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG_DIR=str(tmp_path),
+    # The running interpreter first on PATH: under a virtualenv that is not activated, python3 from
+    # PATH would be the system's (without this project's dependencies).
+    python_dir = os.path.dirname(sys.executable)
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{python_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG_DIR=str(tmp_path),
                SLURM_JOB_ID=job_id, SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
-               SLURM_STEP_NUM_NODES="1", SLURM_SUBMIT_DIR=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               SLURM_STEP_NUM_NODES="1", SLURM_SUBMIT_DIR=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHON=sys.executable)
     overrides = [
         f"--config.workdir={workdir}", "--config.compilation_cache_dir=", "--config.trainer.total_steps=2",
         "--config.trainer.progress_bar=False", "--config.trainer.eval_every=2", "--config.eval.num_episodes=2",
