@@ -283,6 +283,11 @@ def bilevel_gae(token_rewards, values, loss_mask, turn_ids, *, group_size=1, gam
     low-level deltas (the Trajectory puts none there). Turn ends are defined by the turn structure,
     not by "reward != 0", so zero-reward turns are handled (the original crashes on them).
 
+    Deviation, documented: RAGEN's ``algorithm.bi_level_gae=True`` does not run — its trainer calls
+    ``compute_bi_level_gae_advantage_return`` on verl's ``core_algos``, which has no such function
+    (AttributeError before the first update), and its own implementation would raise IndexError on
+    a sample whose rewards are all 0. This one runs, with the turn structure above.
+
     Args: token_rewards, values float ``[B, L]``; loss_mask bool ``[B, L]``; turn_ids int ``[B, L]``.
     Returns: advantages, returns float ``[B, L]`` (un-whitened).
     """
@@ -395,6 +400,10 @@ def reinforce_plus_plus(token_rewards, values, loss_mask, turn_ids=None, *, grou
     the last turn's tokens see a reward credited at the episode's last token (earlier turns see their
     own turn rewards, with ``use_turn_scores``). ``reinforce_plus_plus_multiturn`` carries the
     return across observation tokens instead.
+
+    Deviation, documented: RAGEN wires ``reinforce_plus_plus`` but its trainer calls verl's function
+    with ``gamma=`` and no ``config``, which verl (0.6.1) asserts on — the estimator raises before the
+    first update there. This one runs, with verl's recursion as above.
     Returns: advantages (un-whitened returns; ``compute_advantages`` whitens), returns ``[B, L]``.
     """
     m = loss_mask.astype(jnp.float32)

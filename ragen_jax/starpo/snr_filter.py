@@ -227,9 +227,12 @@ class FilterResult:
     group_weights: Array  # float32 [G]: 0/1 (hard modes) or soft weights (weighted)
     row_weights: Array  # float32 [B]: group_weights repeated over each group's rows
     group_scores: Array  # float32 [G]: the score the selection ranked (the configured metric)
-    row_group_scores: Array  # float32 [B]: each row's group's ranking score (group_scores repeated)
-    row_reward_std: Optional[Array]  # float32 [B]: each row's group std of episode scores, whatever the
-    #                                  metric (the original's batch["reward_std"]); None without scores
+    # float32 [B]: each row's group's ranking score (group_scores repeated): the configured metric,
+    # which is not the reward std unless metric='reward_std' -- RAGEN-2 buckets by ``reward_std``.
+    row_group_scores: Array
+    # float32 [B]: each row's group std of episode scores (ddof 1), whatever the metric: RAGEN's
+    # batch["reward_std"], under its name; None without scores
+    reward_std: Optional[Array]
     kept_count: Array  # int32 []: groups with weight > 0
     kept_ratio: Array  # float32 []: kept_count / G
     is_empty: Array  # bool []: nothing kept -> the update step must skip this batch
@@ -331,7 +334,7 @@ def rollout_filter(
         row_weights=jnp.repeat(weights, group_size),
         group_scores=scores,
         row_group_scores=jnp.repeat(scores, group_size),
-        row_reward_std=(None if episode_scores is None else jnp.repeat(
+        reward_std=(None if episode_scores is None else jnp.repeat(
             _group_std(_group_matrix(episode_scores, "reward", metric, group_size)), group_size)),
         kept_count=kept_count,
         kept_ratio=kept_ratio,

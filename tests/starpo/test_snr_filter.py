@@ -171,19 +171,19 @@ def test_reward_metrics_over_kept_groups():
     np.testing.assert_allclose(res.row_group_scores, np.repeat(res.group_scores, 4))
 
 
-def test_row_reward_std_is_the_reward_std_whatever_the_metric():
-    """``row_reward_std`` is the original's batch["reward_std"] (group std of episode scores, ddof 1)
+def test_reward_std_is_the_reward_std_whatever_the_metric():
+    """``reward_std`` is the original's batch["reward_std"] (group std of episode scores, ddof 1)
     even when the filter ranks by another metric; ``row_group_scores`` holds that metric."""
     rng = np.random.default_rng(5)
     rewards, lengths = rng.random(16), rng.integers(5, 50, 16).astype(np.float32)
     res = snr_filter.rollout_filter(group_size=4, episode_scores=jnp.asarray(rewards, jnp.float32),
                                     response_lengths=jnp.asarray(lengths), metric="length", strategy="top_k", value=0.5)
     want_std = np.repeat([np.std(rewards[4 * g:4 * g + 4], ddof=1) for g in range(4)], 4)
-    np.testing.assert_allclose(res.row_reward_std, want_std, rtol=1e-5)
+    np.testing.assert_allclose(res.reward_std, want_std, rtol=1e-5)
     np.testing.assert_allclose(res.row_group_scores, np.repeat([lengths[4 * g:4 * g + 4].mean() for g in range(4)], 4),
                                rtol=1e-6)
     assert snr_filter.rollout_filter(group_size=4, response_lengths=jnp.asarray(lengths), metric="length",
-                                     strategy="top_k", value=0.5).row_reward_std is None
+                                     strategy="top_k", value=0.5).reward_std is None
 
 
 def test_row_mean_entropy():
