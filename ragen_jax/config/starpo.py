@@ -61,7 +61,8 @@ class StarPOConfig(Section):
       loose static bound; one compiled update per distinct width, so keep N coarse). Not with
       a ``*-token-sum-norm`` ``loss_agg_mode``, whose constant normaliser is the row width.
     GiGPO: ``gigpo_step_weight`` (w), ``gigpo_gamma`` (the turn returns' discount), ``gigpo_norm``
-      (mean | std) — see ``advantages.gigpo``. Policy-loss settings: ``clip_cov_*``, ``kl_cov_ratio``,
+      (mean | std) — see ``advantages.gigpo``; ``gigpo_enable_similarity`` / ``gigpo_similarity_thresh``:
+      verl-agent's grouping of similar observations (``advantages.cluster_similar_observations``). Policy-loss settings: ``clip_cov_*``, ``kl_cov_ratio``,
       ``ppo_kl_coef``, ``rollout_is*`` / ``rollout_rs*`` (see ``losses``); a sequence-level loss
       (gspo, geo_mean) aggregates ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says.
     DAPO: ``overlong_buffer_len`` > 0 shapes each turn's reward by its reply length (soft overlong
@@ -123,6 +124,10 @@ class StarPOConfig(Section):
     gigpo_step_weight: float = 1.0
     gigpo_gamma: float = 0.95
     gigpo_norm: str = "mean"
+    # verl-agent's similarity-based step grouping: turns whose observations match with a difflib ratio
+    # >= gigpo_similarity_thresh share an anchor group (off: identical observations only).
+    gigpo_enable_similarity: bool = False
+    gigpo_similarity_thresh: float = 0.95
     # Clip-Cov / KL-Cov (policy_loss='clip_cov' / 'kl_cov'), verl's defaults.
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
@@ -230,6 +235,11 @@ class StarPOConfig(Section):
         check_number(s, "gigpo_step_weight", self.gigpo_step_weight)
         check(isinstance(self.gigpo_gamma, (int, float)) and 0.0 <= self.gigpo_gamma <= 1.0,
                f"{s}.gigpo_gamma must be in [0, 1], got {self.gigpo_gamma!r}.")
+        check(isinstance(self.gigpo_enable_similarity, bool), f"{s}.gigpo_enable_similarity must be True or False.")
+        check(not self.gigpo_enable_similarity or (isinstance(self.gigpo_similarity_thresh, (int, float))
+                                                   and 0.0 < self.gigpo_similarity_thresh < 1.0),
+              f"{s}.gigpo_similarity_thresh must be in (0, 1) with gigpo_enable_similarity (as verl-agent asserts), "
+              f"got {self.gigpo_similarity_thresh!r}.")
         for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
             check_number(s, name, getattr(self, name), 0.0, strict=True)
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",

@@ -53,3 +53,5 @@ class UserBlock:
     truncated: chex.Array  # bool [B]
     turn_starts: chex.Array  # int32 [B, T] with this turn's start recorded
     anchor: chex.Array  # uint32 [B] hash of the observation (``observation_hash``): GiGPO's anchor state
+    observation: chex.Array  # int32 [B, P] the observation's pieces (GiGPO's similarity grouping)
+    observation_len: chex.Array  # int32 [B] how many of them

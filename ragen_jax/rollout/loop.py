@@ -422,6 +422,8 @@ class Rollout:
             valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
             context_start=context_start,
             anchor=jnp.where(active, block.anchor, jnp.uint32(0)), cut=active & ~stopped,
+            observation=jnp.where(active[:, None], block.observation, 0),
+            observation_len=jnp.where(active, block.observation_len, 0),
         )
         if describes is not None:
             per_turn["describes"] = describes
@@ -446,7 +448,8 @@ class Rollout:
         turn_starts = carry.turn_starts.at[:, t].set(jnp.where(active, carry.pos + close_len, carry.turn_starts[:, t]))
         return UserBlock(chunk=chunk, length=clen, source=src, close_len=close_len, active=active,
                          done=carry.done | (live & ~fits), truncated=carry.truncated | (live & ~fits),
-                         turn_starts=turn_starts, anchor=observation_hash(pieces, n_pieces))
+                         turn_starts=turn_starts, anchor=observation_hash(pieces, n_pieces),
+                         observation=pieces.astype(jnp.int32), observation_len=n_pieces.astype(jnp.int32))
 
     def _reply(self, model, cache, last_logits, start, active, keys, forced, t, greedy: bool = False):
         """Sample (or, with ``forced``, replay) up to ``max_new_tokens`` reply tokens from cache slot
@@ -591,6 +594,8 @@ class Rollout:
             truncated=carry.truncated,
             context_start=pt["context_start"],
             turn_state_hash=pt["anchor"],
+            turn_observation=pt["observation"],
+            turn_observation_len=pt["observation_len"],
             turn_reply_cut=pt["cut"],
             turn_describes_state=pt.get("describes"),
         )

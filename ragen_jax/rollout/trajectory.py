@@ -66,6 +66,10 @@ class Trajectory:
     # reward line): GiGPO's anchor state. Equal observations hash equal; distinct ones collide with
     # probability ~2^-32 per pair.
     turn_state_hash: chex.Array | None = None
+    # int32 [B, T, P] / [B, T] the observation each turn saw, as its rendered pieces (board symbols,
+    # or tokens of a text env's observation), and their count: GiGPO's similarity grouping compares them.
+    turn_observation: chex.Array | None = None
+    turn_observation_len: chex.Array | None = None
     # bool [B, T] the turn's reply ran out of ``max_new_tokens`` without a stop (DAPO's overlong filter).
     turn_reply_cut: chex.Array | None = None
     # float32 [B] ReMax's baseline: the return of a greedy episode from the row's start state

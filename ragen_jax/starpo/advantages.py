@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ragen_jax.starpo.registry import Registry
 
@@ -531,6 +532,57 @@ def _anchor_groups(anchor_ids: Array, turn_mask: Array, group_size: int) -> tupl
     return same, valid
 
 
+def cluster_similar_observations(observations: np.ndarray, lengths: np.ndarray, turn_mask: np.ndarray,
+                                 group_size: int, threshold: float) -> np.ndarray:
+    """verl-agent's similarity-based step grouping (``build_step_group`` with ``enable_similarity``),
+    on the host: within each episode group, every turn's observation goes, in row-major order over
+    (episode, turn), to the first cluster whose representative (its first member) it matches with
+    ``difflib.SequenceMatcher(None, observation, representative).ratio() >= threshold``, else opens a
+    new cluster. Returns int32 ``[B, T]`` cluster ids (distinct across the batch; -1 on missing turns).
+
+    Deviation, documented: the sequences compared are the observation's rendered pieces (board
+    symbols, or a text env's tokens) where verl-agent compares the observation's characters; the
+    order is (episode, turn) where verl-agent's is its batch's row order.
+    """
+    import difflib
+
+    obs, lens, mask = np.asarray(observations), np.asarray(lengths), np.asarray(turn_mask, bool)
+    batch, turns = mask.shape
+    ids = np.full((batch, turns), -1, np.int32)
+    next_id = 0
+    for g in range(batch // group_size):
+        clusters: list[tuple[list, int]] = []
+        for i in range(g * group_size, (g + 1) * group_size):
+            for t in range(turns):
+                if not mask[i, t]:
+                    continue
+                seq = obs[i, t, : int(lens[i, t])].tolist()
+                for rep, cid in clusters:
+                    if difflib.SequenceMatcher(None, seq, rep).ratio() >= threshold:
+                        ids[i, t] = cid
+                        break
+                else:
+                    clusters.append((seq, next_id))
+                    ids[i, t] = next_id
+                    next_id += 1
+    return ids
+
+
+def similar_observation_groups(observations: Array, lengths: Array, turn_mask: Array, group_size: int,
+                               threshold: float) -> Array:
+    """``cluster_similar_observations`` inside a jitted program (a host callback): anchor ids
+    ``[B, T]`` for ``gigpo`` that group similar, not only identical, observations. ``observations``
+    int ``[B, T, P]`` and ``lengths`` ``[B, T]`` are ``Trajectory.turn_observation(_len)``."""
+    if observations is None or lengths is None:
+        raise ValueError("GiGPO's similarity grouping compares the observations each turn saw "
+                         "(Trajectory.turn_observation); this trajectory does not record them")
+    _check_group_size(turn_mask.shape[0], group_size)
+    shape = jax.ShapeDtypeStruct(turn_mask.shape, jnp.int32)
+    return jax.pure_callback(
+        lambda o, n, m: cluster_similar_observations(o, n, m, group_size, float(threshold)).astype(np.int32),
+        shape, observations, lengths, turn_mask)
+
+
 def anchor_group_stats(anchor_ids: Array, turn_mask: Array, group_size: int) -> dict:
     """How much step-level signal GiGPO's anchor grouping finds: ``shared_turn_fraction`` (turns
     whose anchor group has another member) and ``mean_group_size`` (turns per anchor group, averaged
@@ -566,7 +618,9 @@ def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_reward
 
     Args: token_rewards, loss_mask ``[B, L]``; turn_ids int ``[B, L]``; turn_rewards float ``[B, T]``
       (env reward + format penalty of each turn); turn_mask bool ``[B, T]``; anchor_ids uint32
-      ``[B, T]`` (``Trajectory.turn_state_hash``: a hash of the observation each turn saw).
+      ``[B, T]`` (``Trajectory.turn_state_hash``: a hash of the observation each turn saw; or
+      ``similar_observation_groups``' cluster ids for verl-agent's similarity grouping,
+      ``starpo.gigpo_enable_similarity``).
     """
     if step_norm not in GIGPO_NORMS:
         raise ValueError(f"GiGPO step_norm={step_norm!r}; allowed: {', '.join(GIGPO_NORMS)}.")

@@ -489,10 +489,20 @@ def shape_rewards(cfg, traj: Trajectory) -> tuple[Trajectory, dict]:
                   "rollout/overlong_penalised_turns": jnp.sum(penalty < 0) / turns}
 
 
-def advantage_extras(cfg, traj: Trajectory) -> dict:
+def anchor_ids(cfg, traj: Trajectory, group_size: int):
+    """GiGPO's anchor states ``[B, T]``: the observation hashes (identical observations group), or with
+    ``gigpo_enable_similarity`` verl-agent's clusters of similar observations."""
+    if cfg.estimator == "gigpo" and cfg.gigpo_enable_similarity:
+        return adv_lib.similar_observation_groups(traj.turn_observation, traj.turn_observation_len, traj.turn_mask,
+                                                  group_size, cfg.gigpo_similarity_thresh)
+    return traj.turn_state_hash
+
+
+def advantage_extras(cfg, traj: Trajectory, group_size: int = 1) -> dict:
     """What the configured estimator reads beyond token rewards (``AdvantageEstimator.needs``) and the
     estimator settings; fields the trajectory lacks are left out (the estimator names what is missing)."""
-    return {"turn_rewards": traj.turn_rewards, "turn_mask": traj.turn_mask, "anchor_ids": traj.turn_state_hash,
+    return {"turn_rewards": traj.turn_rewards, "turn_mask": traj.turn_mask,
+            "anchor_ids": anchor_ids(cfg, traj, group_size),
             "reward_baselines": traj.reward_baseline, "step_weight": cfg.gigpo_step_weight,
             "step_gamma": cfg.gigpo_gamma, "step_norm": cfg.gigpo_norm, "norm_adv_by_std": cfg.norm_adv_by_std}
 
@@ -518,12 +528,13 @@ def estimate_advantages(cfg, filter_cfg, traj: Trajectory, old: dict, filt,
             estimator=cfg.kl_type)
         metrics["actor/reward_kl_penalty"] = current_kl
     values = old.get("values")
+    extras = advantage_extras(cfg, traj, group_size)
     advantages, returns = adv_lib.compute_advantages(
         cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
         gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
-        grpo_length_weight=cfg.length_weighting, extras=advantage_extras(cfg, traj))
+        grpo_length_weight=cfg.length_weighting, extras=extras)
     if cfg.estimator == "gigpo":
-        stats = adv_lib.anchor_group_stats(traj.turn_state_hash, traj.turn_mask & kept[:, None], group_size)
+        stats = adv_lib.anchor_group_stats(extras["anchor_ids"], traj.turn_mask & kept[:, None], group_size)
         metrics["critic/gigpo_shared_turn_fraction"] = stats["shared_turn_fraction"]
         metrics["critic/gigpo_anchor_group_size"] = stats["mean_group_size"]
     if cfg.estimator == "remax" and traj.reward_baseline is not None:
@@ -651,6 +662,11 @@ def make_update_step(
     if cfg.uses_reference and graphdefs.reference is None:
         raise ValueError("a KL term needs reference parameters; build the train state with "
                          "init_train_state using the same StarPOConfig.")
+    if cfg.estimator == "gigpo" and cfg.gigpo_enable_similarity and placement is not None \
+            and placement.num_processes > 1:
+        raise ValueError("starpo.gigpo_enable_similarity clusters observations in a host callback, which sees "
+                         "only one process's rows; run it in a single process (or leave it off: identical "
+                         "observations group on every device)")
     actor_tx = make_optimizer(cfg.actor_lr, cfg)
     critic_tx = make_optimizer(cfg.critic_lr, cfg)
     actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,

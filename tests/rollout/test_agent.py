@@ -142,10 +142,13 @@ def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kw
     env_key, _ = jax.random.split(key)
     env_keys = jnp.repeat(jax.random.split(env_key, cfg.num_groups), cfg.group_size, axis=0)
     anchors = {}  # GiGPO's anchor states: equal boards hash equal, different boards differently
+    observed = {}  # and the observations recorded for similarity grouping: one piece sequence per board
     for b in range(cfg.batch_size):
         ref = reference_episode(env, params, env_keys[b], replies[b], cfg, ro.framing, ro.system_text, ro.fmt)
         for t, board in enumerate(ref["boards"]):
             anchors.setdefault(board, set()).add(int(traj.turn_state_hash[b, t]))
+            seen = np.asarray(traj.turn_observation[b, t, :int(traj.turn_observation_len[b, t])])
+            observed.setdefault(board, set()).add(tuple(seen.tolist()))
         assert not np.asarray(traj.turn_reply_cut[b]).any()  # a scripted reply counts as stopped
         n = int(traj.lengths[b])
         assert decode(tok, traj.tokens[b, :n]) == ref["text"], b
@@ -188,6 +191,7 @@ def test_scripted_rollout_matches_reference_loop(env_name, env_kwargs, params_kw
     np.testing.assert_array_equal(np.asarray(traj.group_ids), np.arange(cfg.batch_size) // cfg.group_size)
     assert all(len(h) == 1 for h in anchors.values()), anchors
     assert len({next(iter(h)) for h in anchors.values()}) == len(anchors)
+    assert all(len(o) == 1 for o in observed.values()) and len({next(iter(o)) for o in observed.values()}) == len(observed)
     assert any(np.sum(np.asarray(traj.turn_mask), 1) > 1) and len(anchors) > cfg.num_groups
 
 

@@ -328,3 +328,30 @@ def verl_bypass_reinforce(logp, rollout_logp, adv, mask, *, rollout_is="token", 
         grad[idx] = (bumped[0] - bumped[1]) / (2 * eps)
     ppo_kl = _verl_masked_mean(-lr, effective)
     return loss, grad, ppo_kl, effective
+
+
+def verl_agent_build_step_group(anchor_obs, index, similarity_thresh):
+    """verl-agent's ``gigpo/core_gigpo.py::build_step_group`` with ``enable_similarity=True``,
+    re-derived: per episode-group index, in array order, each text observation joins the first
+    cluster whose representative (first member) it matches with
+    ``SequenceMatcher(None, obs, rep).ratio() >= similarity_thresh``, else opens a cluster; each
+    cluster gets a fresh uid string."""
+    import uuid
+    from difflib import SequenceMatcher
+
+    assert 0.0 < similarity_thresh < 1.0
+    uids = [None] * len(anchor_obs)
+    for idx in sorted(set(index)):
+        clusters = []
+        for loc in [i for i, x in enumerate(index) if x == idx]:
+            for cluster in clusters:
+                if SequenceMatcher(None, anchor_obs[loc], cluster["rep"]).ratio() >= similarity_thresh:
+                    cluster["locs"].append(loc)
+                    break
+            else:
+                clusters.append({"rep": anchor_obs[loc], "locs": [loc]})
+        for cluster in clusters:
+            uid = str(uuid.uuid4())
+            for loc in cluster["locs"]:
+                uids[loc] = uid
+    return uids

@@ -416,3 +416,62 @@ def test_rollout_correction_settings_are_checked():
     with pytest.raises(ValueError, match="rollout_is='geometric'; allowed: token, sequence, none"):
         StarPOConfig(policy_loss="rollout_correction", rollout_is="geometric")
     assert StarPOConfig().ppo_kl_coef == 0.1  # verl's PolicyLossConfig default
+
+
+def test_similar_observations_group_hand_worked():
+    """Pieces [1,2,3,4] and [1,2,3,5] match with ratio 2*3/8 = 0.75: one cluster at threshold 0.7,
+    two at 0.8; [9,8,7,6] is alone either way; a missing turn gets -1; groups never share ids."""
+    obs = np.zeros((4, 2, 4), np.int32)
+    obs[0, 0], obs[0, 1], obs[1, 0] = [1, 2, 3, 4], [9, 8, 7, 6], [1, 2, 3, 5]
+    obs[2, 0], obs[3, 0] = [1, 2, 3, 4], [1, 2, 3, 4]
+    lens = np.full((4, 2), 4)
+    mask = np.array([[True, True], [True, False], [True, False], [True, False]])
+    ids = adv_lib.cluster_similar_observations(obs, lens, mask, group_size=2, threshold=0.7)
+    assert ids[0, 0] == ids[1, 0] != ids[0, 1] and ids[1, 1] == -1
+    assert ids[2, 0] == ids[3, 0] and ids[2, 0] not in (ids[0, 0], ids[0, 1])
+    strict = adv_lib.cluster_similar_observations(obs, lens, mask, group_size=2, threshold=0.8)
+    assert len({strict[0, 0], strict[1, 0], strict[0, 1]}) == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("threshold", [0.5, 0.8, 0.95])
+def test_similarity_grouping_agrees_with_verl_agent(seed, threshold):
+    """The same partition as a re-derivation of verl-agent's ``build_step_group`` run on text whose
+    characters stand one-to-one for the pieces; then GiGPO's advantages on those groups equal the
+    reference GiGPO's with verl-agent's step-group uids as anchors (jitted, through the callback)."""
+    rng = np.random.default_rng(seed)
+    B, T, P, group_size = 8, 3, 12, 4
+    rewards, mask, turn_ids, turn_rewards, turn_mask, _ = _turn_batch(rng, B, T, n_states=3)
+    base = rng.integers(0, 6, size=(B // group_size, P))
+    obs = np.repeat(base, group_size * T, axis=0).reshape(B, T, P)
+    flip = rng.random((B, T, P)) < 0.25  # each observation a noisy copy of its group's board
+    obs = np.where(flip, rng.integers(0, 6, size=(B, T, P)), obs).astype(np.int32)
+    lens = rng.integers(P - 3, P + 1, size=(B, T))
+    ours = adv_lib.cluster_similar_observations(obs, lens, turn_mask, group_size, threshold)
+    locs = [(b, t) for b in range(B) for t in range(T) if turn_mask[b, t]]
+    text = ["".join(chr(65 + int(x)) for x in obs[b, t, :lens[b, t]]) for b, t in locs]
+    theirs = cref.verl_agent_build_step_group(text, [b // group_size for b, _ in locs], threshold)
+    pairs = [(i, j) for i in range(len(locs)) for j in range(len(locs))]
+    assert all((ours[locs[i]] == ours[locs[j]]) == (theirs[i] == theirs[j]) for i, j in pairs)
+    assert 1 < len(set(theirs)) < len(locs) or threshold == 0.95  # the case has shared and split groups
+
+    turn_mask_j = jnp.asarray(turn_mask)
+    ids = jax.jit(lambda o, n, m: adv_lib.similar_observation_groups(o, n, m, group_size, threshold))(
+        jnp.asarray(obs), jnp.asarray(lens, jnp.int32), turn_mask_j)
+    np.testing.assert_array_equal(np.asarray(ids), ours)
+    adv = _gigpo(rewards, mask, turn_ids, turn_rewards, turn_mask, np.asarray(ids), group_size,
+                 step_weight=1.0, step_gamma=0.95, step_norm="mean")
+    anchors = [[None] * T for _ in range(B)]
+    for (b, t), uid in zip(locs, theirs):
+        anchors[b][t] = uid
+    per_turn = cref.gigpo(rewards.sum(1), turn_rewards, turn_mask, anchors, group_size, 1.0, 0.95, "mean")
+    want = np.where(mask, np.take_along_axis(per_turn, np.clip(turn_ids, 0, T - 1), axis=1), 0.0)
+    np.testing.assert_allclose(adv, want, atol=1e-4)
+
+
+def test_similarity_grouping_settings_are_checked():
+    from ragen_jax.config import StarPOConfig
+
+    with pytest.raises(ValueError, match=r"gigpo_similarity_thresh must be in \(0, 1\)"):
+        StarPOConfig(adv_estimator="gigpo", gigpo_enable_similarity=True, gigpo_similarity_thresh=1.0)
+    StarPOConfig(adv_estimator="gigpo", gigpo_enable_similarity=True, gigpo_similarity_thresh=0.9)

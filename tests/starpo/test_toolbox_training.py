@@ -40,8 +40,11 @@ def hand_made_batch(reasoning, sampler_logprobs=None):
         anchors.append([100 + g, 1000 * g + z1])
     traj = build_trajectory(convs, [b // GROUP_SIZE for b in range(BATCH)], seq_len=SEQ_LEN, max_turns=TURNS,
                             sampler_logprobs=sampler_logprobs)
+    observations = [[[4, 5 + row // GROUP_SIZE], [6, z1]] for row, (z1, _) in enumerate(reasoning)]
     return traj.replace(turn_state_hash=jnp.asarray(anchors, jnp.uint32),
-                        reward_baseline=jnp.full((BATCH,), 0.5, jnp.float32))
+                        reward_baseline=jnp.full((BATCH,), 0.5, jnp.float32),
+                        turn_observation=jnp.asarray(observations, jnp.int32),
+                        turn_observation_len=jnp.full((BATCH, TURNS), 2, jnp.int32))
 
 
 ROWS = [(10, 11), (10, 3), (4, 11), (4, 5), (11, 11), (5, 10), (6, 6), (3, 4)]
@@ -105,3 +108,13 @@ def test_every_policy_loss_trains(loss):
 @pytest.mark.parametrize("mode", ["seq-mean-token-sum-norm", "drgrpo-token-sum-norm"])
 def test_sum_norm_aggregations_train(mode):
     _train_three_steps(_config(adv_estimator="drgrpo", loss_agg_mode=mode))
+
+
+def test_gigpo_with_similarity_grouping_trains_and_shares_more_turns():
+    """verl-agent's similarity grouping in the jitted update: second-turn observations [6, z] that
+    differ in one of two pieces (ratio 0.5) share an anchor group at threshold 0.5, so more turns
+    get a step-level signal than with identical observations only."""
+    exact = _train_three_steps(_config(adv_estimator="gigpo", use_turn_scores=True))
+    similar = _train_three_steps(_config(adv_estimator="gigpo", use_turn_scores=True, gigpo_enable_similarity=True,
+                                         gigpo_similarity_thresh=0.5))
+    assert float(similar["critic/gigpo_shared_turn_fraction"]) > float(exact["critic/gigpo_shared_turn_fraction"])
