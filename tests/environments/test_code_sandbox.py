@@ -306,6 +306,7 @@ def test_adversaries_get_reward_zero_and_leave_the_host_unharmed(env, tmp_path, 
         assert reward == 0.0 and not done and info["tests_passed"] == 0, (name, text)
         assert text.strip() and SECRET not in text, (name, text)
         assert all(c == "\n" or " " <= c <= "~" for c in text), (name, text)  # plain ASCII feedback
+        assert len(text) <= env.max_feedback_chars + 60, (name, len(text))  # cut: always fits max_obs_tokens
     assert "Time limit exceeded" in results["endless loop"][0]
     assert "MemoryError" in results["20 GB"][0]
     assert "SystemExit" in results["sys.exit before the asserts"][0]
