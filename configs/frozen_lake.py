@@ -8,7 +8,9 @@ reward-variance groups and dynamic sampling refilling the ones it drops. Determi
 ice (``success_rate=1.0``) as in RAGEN-2's main table. Validation on 256 fixed puzzles at
 temperature 0.5 after the warm-up (before RL) and every 25 StarPO steps. The run stops (with a
 final validation) at ``trainer.time_limit_minutes=14`` if a slow machine has not finished all
-steps by then; start-up and that validation fit in the 15th minute.
+steps by then; start-up and that validation fit in the 15th minute. The warm-up takes at most a
+third of the limit (``warmup.time_share``), so StarPO gets the larger part on any machine, and the
+final summary prints what StarPO added over the warm-up on the 256 puzzles with its paired test.
 
 What makes a from-scratch 64-wide model learn the task at all is reading the player's and the
 goal's cells off the grid in every turn: ``rope_theta=100`` (short-range position resolution), 8
@@ -101,6 +103,9 @@ def get_config():
 
     c.warmup.single_turn_steps = 2400  # a cap: the phase ends once the board is read (below)
     c.warmup.reading_target = 0.95
+    # At most a third of the 14 minutes: RL keeps ~60% of the wall clock on a slow machine too (the
+    # first-turn phase stops at two thirds of this share, the conversation phase fits the rest).
+    c.warmup.time_share = 0.33
     c.warmup.steps = 300  # whole-episode turns at batch 32: 2.5x the demonstrations of 600 at 8
     # Both phases share one batch size; 32 is what ends the reading plateau reliably (docstring).
     c.warmup.batch_size = 32

@@ -234,6 +234,10 @@ class WarmupConfig(Section):
     the fraction of expert turns replaced by a random action. Both step counts 0 = no warm-up.
     ``cache_dir``: keep the warm-up's result there and reuse it in every run whose warm-up would be
     the same (``training.warmup_cache``; None = always run it).
+    ``time_share``: with ``trainer.time_limit_minutes``, the most of that limit the warm-up may take
+    (0 = no bound): the first-turn phase stops at its target, its cap or two thirds of the share,
+    whichever comes first, and the conversation phase fits its steps (and its learning-rate decay)
+    into the rest, so RL keeps its part of the wall clock on a slow machine.
     """
 
     KEY = "warmup"
@@ -250,6 +254,7 @@ class WarmupConfig(Section):
     seed: int = 1
     log_every: int = 10
     cache_dir: Optional[str] = None
+    time_share: float = 0.0
 
     def __post_init__(self):
         s = "warmup"
@@ -260,6 +265,7 @@ class WarmupConfig(Section):
         check_number(s, "action_noise", self.action_noise, 0.0, 1.0)
         check_number(s, "reading_target", self.reading_target, 0.0, 1.0, what=" (0 = run all single_turn_steps)")
         check_number(s, "lr", self.lr, 0.0, strict=True)
+        check_number(s, "time_share", self.time_share, 0.0, 1.0, what=" (0 = no bound)")
 
 
 @dataclasses.dataclass(frozen=True)

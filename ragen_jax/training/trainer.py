@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -423,9 +424,12 @@ def _warm_up_and_validate(loop: Loop, train_state):
         if run.placement.is_main:
             print(f"warm-up restored from {cache.path}")
     elif warms:
+        limit_s = 60.0 * spec.trainer.time_limit_minutes
+        # warmup.time_share: the warm-up's part of the run's time limit, so RL keeps the rest.
+        deadline = loop.clock[0] + w.time_share * limit_s if w.time_share > 0 and limit_s > 0 else None
         params, warm_summary = run_warmup(run.warmup_rollout, train_state.params, w,
                                           log_fn=logger.scalars, progress=spec.trainer.progress_bar,
-                                          frozen=frozen_base(train_state))
+                                          frozen=frozen_base(train_state), deadline=deadline)
     if warms:
         train_state = train_state.replace(params=params)
         if train_state.ref_params is not None:  # the KL reference is the warmed-up policy
@@ -542,12 +546,29 @@ def _finish(loop: Loop, step: int, stop_reason: str | None, write: bool = True) 
     if history["val"]:
         summary["val/success_final"] = history["val"][-1][1]
         summary["val/success_best"] = max(v for _, v in history["val"])
+    summary.update(gain_over_warmup(history))
     if write:
         loop.logger.image(step, "curves/learning_curve", save_learning_curve(workdir / "learning_curve.png", history))
         (workdir / "summary.json").write_text(json.dumps({"summary": summary, "stop_reason": stop_reason,
                                                           "history": history}, indent=1))
         print(_console_summary(spec, summary, stop_reason, workdir))
     return {"summary": summary, "stop_reason": stop_reason, "history": history}
+
+
+def gain_over_warmup(history: dict) -> dict:
+    """What RL added: the last validation's success minus the one before RL (step 0, after the
+    warm-up), puzzle by puzzle on the same fixed puzzles, with its standard error and the paired
+    sign-flip p-value of the mean difference (``compare.sign_flip_p``). Empty without both."""
+    from ragen_jax.compare import mean_se, sign_flip_p
+
+    puzzles = history.get("val_puzzles") or []
+    before = next((v for step, v in puzzles if step == 0), None)
+    if before is None or len(puzzles) < 2 or puzzles[-1][0] == 0 or len(puzzles[-1][1]) != len(before):
+        return {}
+    d = np.asarray(puzzles[-1][1], np.float64) - np.asarray(before, np.float64)
+    diff, se = mean_se(d)
+    return {"val/gain_over_warmup": diff, "val/gain_over_warmup_se": se, "val/gain_over_warmup_p": sign_flip_p(d),
+            "val/gain_over_warmup_puzzles": float(d.size)}
 
 
 def _warn_about_step(spec: RunSpec, step: int, metrics: dict, summary: dict, bar) -> None:
@@ -590,9 +611,18 @@ def _console_summary(spec: RunSpec, summary: dict, stop_reason: str | None, work
                        ("val/success_before_rl", "validation success before RL"),
                        ("val/success_final", "validation success, final"),
                        ("val/success_best", "validation success, best"),
+                       ("warmup/seconds", "warm-up seconds"),
                        ("train/success", "training success, last step")):
         if key in summary:
-            value = f"{int(summary[key])}" if key.endswith("_steps") else f"{summary[key]:.3f}"
+            value = f"{int(summary[key])}" if key.endswith(("_steps", "seconds")) else f"{summary[key]:.3f}"
             lines.append(f"   {label:<36} {value}")
+    if "val/gain_over_warmup" in summary:
+        se = summary["val/gain_over_warmup_se"]
+        lines.append(f"   {'what RL added over the warm-up':<36} {summary['val/gain_over_warmup']:+.3f}"
+                     + ("" if math.isnan(se) else f" +/- {se:.3f}")
+                     + f" on {int(summary['val/gain_over_warmup_puzzles'])} puzzles (paired sign-flip "
+                     f"p = {summary['val/gain_over_warmup_p']:.2g})")
+    if summary.get("warmup/stopped_by_time"):
+        lines.append("   the warm-up stopped at its share of the time limit (warmup.time_share)")
     lines.append(f"   logs: {workdir / 'tensorboard'}   checkpoints: {workdir / 'checkpoints'}")
     return "\n".join(lines)

@@ -320,8 +320,14 @@ def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Cal
 
 
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
-               progress: bool = True, frozen=None, first_phase_only: bool = False) -> tuple[Any, dict]:
+               progress: bool = True, frozen=None, first_phase_only: bool = False,
+               deadline: float | None = None) -> tuple[Any, dict]:
     """Behaviour-clone ``params`` on expert conversations; returns ``(params, summary)``.
+
+    ``deadline`` (``time.time()`` seconds; the trainer sets it from ``warmup.time_share``): the
+    warm-up ends by then — phase 1 by two thirds of the time left when there is a phase 2, which
+    then fits its steps and its learning-rate decay into the rest (measured on its first steps).
+    ``warmup/stopped_by_time`` says whether a phase was cut.
 
     ``frozen``: model state merged with ``params`` but not trained (a LoRA model's base weights:
     then only the adapters in ``params`` learn). ``first_phase_only``: stop after phase 1, with the
@@ -372,11 +378,16 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
 
         run.bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
     warm = max(1, total // 20)
+    run.summary["warmup/stopped_by_time"] = 0.0
     for name, n_steps, demos in phases:
         decays = name == "conversation" or not conv_steps
-        lr_at = _phase_lr(warmup_cfg.lr, warm, run.done if decays else total, n_steps)
-        _run_phase(run, rollout, tx, name, n_steps, demos, lr_at, warmup_cfg,
-                   check=check if name == "single_turn" else None, frozen=frozen)
+        decay_start = run.done if decays else total
+        lr_for = lambda n, start=decay_start: _phase_lr(warmup_cfg.lr, warm, start, n)  # noqa: E731
+        phase_deadline = deadline
+        if deadline is not None and name == "single_turn" and conv_steps and not first_phase_only:
+            phase_deadline = time.time() + (deadline - time.time()) * 2.0 / 3.0
+        _run_phase(run, rollout, tx, name, n_steps, demos, lr_for, warmup_cfg,
+                   check=check if name == "single_turn" else None, frozen=frozen, deadline=phase_deadline)
         if run.bar is not None and name == "single_turn":
             run.bar.total = run.done + conv_steps  # the unused first-turn steps are not run
             run.bar.refresh()
@@ -439,10 +450,17 @@ class _BCRun:
     bar: Any = None
 
 
-def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos, lr_at, warmup_cfg,
-               check=None, frozen=None) -> None:
+FIT_AFTER_STEPS = 5  # a phase with a deadline times this many steps (the first compiles) to fit the rest
+
+
+def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos, lr_for, warmup_cfg,
+               check=None, frozen=None, deadline: float | None = None) -> None:
     """Up to ``n_steps`` BC steps on ``demos`` (shuffled, batch by batch); with ``check`` (phase 1
-    with a reading target) the phase ends once held-out board reading reaches the target."""
+    with a reading target) the phase ends once held-out board reading reaches the target. ``lr_for(n)``:
+    the learning rate by step for a phase of ``n`` steps. ``deadline``: the phase ends by then; a
+    phase whose rate decays (phase 2) re-plans its length from its first steps' speed so that the
+    decay completes in time."""
+    lr_at = lr_for(n_steps)
     (tokens, loss_mask, valid_mask), expert_success, n = bc_data(demos, rollout.per_turn_rows)
     run.summary[f"warmup/{name}_demonstrations"] = float(n)
     run.summary[f"warmup/{name}_expert_success"] = expert_success
@@ -454,7 +472,10 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
     target = float(warmup_cfg.reading_target)
     check_every = int(warmup_cfg.check_every)
     order, cursor = run.rng.permutation(n), 0
-    for i in range(n_steps):
+    limit, t_timed = n_steps, None
+    i = -1
+    while i + 1 < limit:
+        i += 1
         if cursor + bs > n:
             order, cursor = run.rng.permutation(n), 0
         idx = jnp.asarray(order[cursor: cursor + bs])
@@ -478,6 +499,22 @@ def _run_phase(run: _BCRun, rollout: Rollout, tx, name: str, n_steps: int, demos
             _report(run, {"warmup/reading_accuracy": reading}, phase=name, reading=f"{reading:.2f}")
             if reading >= target:
                 break
+        if deadline is not None:
+            now = time.time()
+            if now >= deadline:
+                run.summary["warmup/stopped_by_time"] = 1.0
+                break
+            if i == 0:
+                t_timed = now  # after the first (compiling) step
+            elif i == FIT_AFTER_STEPS and check is None:
+                per_step = (now - t_timed) / i  # steps 1..i since the first
+                fit = min(n_steps, i + 1 + int((deadline - now) / max(per_step, 1e-9)))
+                if fit < n_steps:
+                    run.summary["warmup/stopped_by_time"] = 1.0
+                    limit, lr_at = fit, lr_for(fit)
+                    if run.bar is not None:
+                        run.bar.total -= n_steps - fit
+                        run.bar.refresh()
     run.summary[f"warmup/{name}_steps"] = float(i + 1)
 
 

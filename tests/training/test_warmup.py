@@ -495,3 +495,51 @@ def test_expert_replies_earn_the_description_reward_through_the_rollout(setup):
                             lengths=np.roll(np.asarray(forced.lengths), 1, axis=0))
     other = rollout.run(params, keys, jax.random.key(8), shifted)
     assert np.asarray(other.turn_describes_state)[:, 0].sum() < len(keys)
+
+
+def test_a_deadline_bounds_both_phases_and_fits_the_decay(setup, monkeypatch):
+    """With a deadline (the trainer's ``warmup.time_share`` of its time limit) the first-turn phase
+    stops at two thirds of the time and the conversation phase fits its steps, and its learning-rate
+    decay, into the rest. A fake clock advances 1 s per BC step, so the counts are exact: 30 s give
+    phase 1 20 steps; phase 2 times 5 steps after its first, fits 10 in all, and ends at the decay's end."""
+    import types
+
+    tok, graphdef, params, rollout, env, ep = setup
+    clock = [1000.0]
+    monkeypatch.setattr(warmup_lib, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    lrs = []
+    real_step = warmup_lib.make_bc_step
+
+    def spy(graphdef_, tx, prefix_len=0):
+        step = real_step(graphdef_, tx, prefix_len)
+
+        def wrapped(p, o, *batch):
+            lrs.append(float(o[1].hyperparams["learning_rate"]))
+            clock[0] += 1.0
+            return step(p, o, *batch)
+        return wrapped
+
+    monkeypatch.setattr(warmup_lib, "make_bc_step", spy)
+    cfg = ConfigDict(dict(steps=100, single_turn_steps=100, batch_size=2, lr=1e-3, num_states=4, seed=1, log_every=50))
+    _, summary = warmup_lib.run_warmup(rollout, params, cfg, progress=False, deadline=1030.0)
+    assert summary["warmup/single_turn_steps"] == 20.0 and summary["warmup/conversation_steps"] == 10.0
+    assert summary["warmup/stopped_by_time"] == 1.0 and len(lrs) == 30
+    want = warmup_lib._phase_lr(1e-3, 10, 20, 10)  # the decay re-planned over the 10 steps that fit
+    np.testing.assert_allclose(lrs[26:], [want(i) for i in range(26, 30)], rtol=1e-6)
+    assert lrs[-1] < 0.2 * 1e-3
+    _, unbounded = warmup_lib.run_warmup(rollout, params, dict(cfg, steps=3, single_turn_steps=2), progress=False)
+    assert unbounded["warmup/stopped_by_time"] == 0.0 and unbounded["warmup/conversation_steps"] == 3.0
+
+
+def test_gain_over_warmup_is_the_paired_difference_hand_worked():
+    """Five puzzles: before RL 1, 0, 0, 0, 1; at the end 1, 1, 1, 1, 0: differences 0, +1, +1, +1, -1,
+    mean +0.4; the sign-flip test over the four differing puzzles enumerates 16 sign patterns, of
+    which 10 reach |sum| >= 2 (the two of ±4 and the eight of ±2): p = 10/16."""
+    from ragen_jax.training.trainer import gain_over_warmup
+
+    history = {"val_puzzles": [[0, [1.0, 0.0, 0.0, 0.0, 1.0]], [25, [0.0] * 5], [50, [1.0, 1.0, 1.0, 1.0, 0.0]]]}
+    gain = gain_over_warmup(history)
+    assert gain["val/gain_over_warmup"] == pytest.approx(0.4)
+    assert gain["val/gain_over_warmup_se"] == pytest.approx(np.std([0, 1, 1, 1, -1], ddof=1) / np.sqrt(5))
+    assert gain["val/gain_over_warmup_p"] == pytest.approx(10 / 16)
+    assert gain_over_warmup({"val_puzzles": [[0, [1.0]]]}) == {}
