@@ -47,6 +47,8 @@ from ragen_jax.training import run as run_lib, trainer  # noqa: E402
 # name -> (config overrides as "section.key": value, what the lever is)
 VARIANTS = {
     "baseline": ({}, "the config as committed"),
+    "cpu_kernels_off": ({"model.cpu_kernels": "off"}, "XLA's forms in decode (the CPU kernels off)"),
+    "one_round": ({"filter.dynamic_sampling_rounds": 0}, "one rollout round a step (no dynamic-sampling refill)"),
     "bf16_matmul": ({"model.matmul_dtype": "bfloat16"}, "bfloat16 matmul operands, float32 weights"),
     "no_think": ({"rollout.enable_think": False}, "replies without <think> (RAGEN's no-think configs)"),
     "short_replies": ({"rollout.max_new_tokens": 32}, "max_new_tokens 48 -> 32"),

@@ -23,6 +23,7 @@ from configs import frozen_lake
 
 def get_config():
     c = frozen_lake.get_config()
+    c.warmup.time_share = 0.0  # no time limit here
     c.workdir = "runs/frozen_lake_collapse"
     # The expert text and reply lengths this config's collapse was measured with.
     c.env.expert_reasoning = "after_move"

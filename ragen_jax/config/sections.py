@@ -63,7 +63,9 @@ class ModelSection(Section):
     bfloat16 operands and return float32 (``ModelConfig.matmul_dtype``; the fast decode on CPUs with
     AMX / AVX512-BF16 and on GPU tensor cores).
     ``scan_layers`` stacks the layers under ``lax.scan`` (large models on accelerators); ``remat``
-    recomputes activations in the backward pass. ``tiny``: the ``tiny`` preset's dimensions.
+    recomputes activations in the backward pass. ``cpu_kernels`` (auto | on | off): the CPU decode's
+    C++ kernels (``ModelConfig.cpu_kernels``; ``off`` keeps XLA's forms, bit for bit the earlier
+    numbers). ``tiny``: the ``tiny`` preset's dimensions.
     ``lora_rank > 0``: LoRA adapters (scale ``lora_alpha / lora_rank``) on the ``lora_targets``
     projections; only the adapters are trained and kept in optimizer state, the frozen base is the
     KL reference, checkpoints hold the adapters only (``models.lora``;
@@ -94,6 +96,7 @@ class ModelSection(Section):
     matmul_dtype: Optional[str] = None
     scan_layers: bool = False
     remat: bool = False
+    cpu_kernels: str = "auto"
     tiny: dict = dataclasses.field(default_factory=lambda: dataclasses.asdict(TinyModelConfig()))
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -110,6 +113,7 @@ class ModelSection(Section):
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         check_choice("model.provider", self.provider, ("local",) + tuple(PROVIDERS))
+        check_choice("model.cpu_kernels", self.cpu_kernels, ("auto", "on", "off"))
         check_int("model", "max_concurrency", self.max_concurrency, 1)
         check_int("model", "max_retries", self.max_retries, 0)
         check_number("model", "request_timeout_s", self.request_timeout_s, 0.0, strict=True)
@@ -155,7 +159,7 @@ class ModelSection(Section):
         """The ``ModelConfig`` settings this section decides (how the same weights are computed)."""
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, kv_cache_dtype=self.kv_cache_dtype,
                     matmul_dtype=self.matmul_dtype,
-                    scan_layers=self.scan_layers, remat=self.remat)
+                    scan_layers=self.scan_layers, remat=self.remat, cpu_kernels=self.cpu_kernels)
 
     @property
     def tiny_dims(self) -> TinyModelConfig:

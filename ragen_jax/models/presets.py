@@ -38,7 +38,7 @@ def load_tiny_tokenizer():
 
 def tiny_model_config(tokenizer, tiny: Any, dtype: str = "float32", param_dtype: str = "float32",
                       scan_layers: bool = False, remat: bool = False, kv_cache_dtype: str | None = None,
-                      matmul_dtype: str | None = None) -> ModelConfig:
+                      matmul_dtype: str | None = None, cpu_kernels: str = "auto") -> ModelConfig:
     """The tiny preset's ``ModelConfig``: Qwen2 block (qkv bias), tied embeddings, vocab = tokenizer.
     ``tiny``: its dimensions (``config.model.tiny``: hidden_size, intermediate_size, ...)."""
     return ModelConfig(
@@ -47,4 +47,5 @@ def tiny_model_config(tokenizer, tiny: Any, dtype: str = "float32", param_dtype:
         num_heads=int(tiny.num_heads), num_kv_heads=int(tiny.num_kv_heads), head_dim=int(tiny.head_dim),
         rope_theta=float(tiny.rope_theta), qkv_bias=True, tie_word_embeddings=True,
         max_position_embeddings=8192, model_type="qwen2", dtype=dtype, param_dtype=param_dtype,
-        kv_cache_dtype=kv_cache_dtype, matmul_dtype=matmul_dtype, scan_layers=scan_layers, remat=remat)
+        kv_cache_dtype=kv_cache_dtype, matmul_dtype=matmul_dtype, scan_layers=scan_layers, remat=remat,
+        cpu_kernels=cpu_kernels)

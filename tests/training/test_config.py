@@ -312,3 +312,16 @@ def test_readme_webshop_route_runs_on_the_stand_in(tmp_path):
     assert (tmp_path / "run" / "summary.json").exists()
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["env"] == {"name": "webshop", "factory": "my_webshop:make_webshop"}
+
+
+def test_model_cpu_kernels_is_a_config_key_that_reaches_the_model():
+    from configs import frozen_lake
+    from ragen_jax.config import ConfigError
+    from ragen_jax.plan import model_config
+
+    c = frozen_lake.get_config()
+    c.model.cpu_kernels = "off"
+    assert model_config(resolve(c)).cpu_kernels == "off"
+    c.model.cpu_kernels = "sometimes"
+    with pytest.raises(ConfigError, match="model.cpu_kernels='sometimes' is not valid; allowed: auto, on, off"):
+        resolve(c)
