@@ -292,6 +292,27 @@ def _guarded_step(tx, grads, opt_state, params, has_tokens):
     return params, opt_state, grad_norm, finite, applied
 
 
+def make_batch_statistics(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0):
+    """``batch_statistics(params, rest, mb) -> (sums, kept [m, L])``: what a batch-dependent policy
+    loss (``losses.needs_batch_statistics``) needs of the whole mini-batch under the current
+    parameters, for one micro-batch (forward only): the tokens it keeps, their share of the policy
+    term's denominator and the IS weights' sums."""
+    chunk = cfg.logprob_chunk_size
+    policy_hparams = cfg.policy_loss_hparams
+
+    def batch_statistics(params, rest, mb):
+        policy = nnx.merge(graphdefs.policy, params, rest[0])
+        logp, _, _ = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk, temperature=cfg.scoring_temperature,
+                                       shared_prefix_len=shared_prefix_len)
+        terms = losses.rollout_correction_terms(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"],
+                                                **policy_hparams)
+        sums = {"pg_den": losses.loss_denominator(terms["kept"], cfg.actor_loss_agg_mode, mb["row_weights"]),
+                "weight_sum": terms["weight_sum"], "weight_count": terms["weight_count"]}
+        return sums, terms["kept"]
+
+    return batch_statistics
+
+
 def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_pass: bool = False):
     """Returns ``(loss_fn, critic_values)``.
 
@@ -320,19 +341,6 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         else:
             raw, _ = critic(tokens, positions_for(tokens))
         return adv_lib.align_to_targets(raw.astype(jnp.float32))
-
-    def batch_statistics(params, rest, mb):
-        """What a batch-dependent policy loss (``losses.needs_batch_statistics``) needs of the whole
-        mini-batch under the current parameters, for one micro-batch (forward only): the tokens it
-        keeps ``[m, L]``, their share of the policy term's denominator and the IS weights' sums."""
-        policy = nnx.merge(graphdefs.policy, params, rest[0])
-        logp, _, _ = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk, temperature=cfg.scoring_temperature,
-                                       shared_prefix_len=shared_prefix_len)
-        terms = losses.rollout_correction_terms(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"],
-                                                **policy_hparams)
-        sums = {"pg_den": losses.loss_denominator(terms["kept"], cfg.actor_loss_agg_mode, mb["row_weights"]),
-                "weight_sum": terms["weight_sum"], "weight_count": terms["weight_count"]}
-        return sums, terms["kept"]
 
     def micro_loss(params, critic_params, rest, mb, den, value_den, pg_den=None, is_weight_mean=None):
         """Loss of one micro-batch as its share of the mini-batch aggregate: numerator / (mini-batch den).
@@ -382,7 +390,6 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             aux["vpred_mean"] = v_metrics["vpred_mean"] * n_tok
         return loss, aux
 
-    micro_loss.batch_statistics = batch_statistics
     return micro_loss, critic_values
 
 
@@ -679,7 +686,7 @@ def make_update_step(
     # --- one optimizer step ----------------------------------------------------------------------------
 
     batch_dependent = losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams)
-    batch_statistics = loss_fns[False][0].batch_statistics
+    batch_statistics = make_batch_statistics(graphdefs, cfg, shared_prefix_len)
 
     def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array, single: bool):
         params, opt_state, c_params, c_opt, counts = carry

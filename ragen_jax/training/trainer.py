@@ -30,6 +30,7 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
 from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
 from ragen_jax.training import dynamic_sampling
+from ragen_jax.training.paired import mean_se, sign_flip_p
 from ragen_jax.training.start_replay import StartReplay
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
 from ragen_jax.training.evaluate import Evaluator
@@ -558,9 +559,7 @@ def _finish(loop: Loop, step: int, stop_reason: str | None, write: bool = True) 
 def gain_over_warmup(history: dict) -> dict:
     """What RL added: the last validation's success minus the one before RL (step 0, after the
     warm-up), puzzle by puzzle on the same fixed puzzles, with its standard error and the paired
-    sign-flip p-value of the mean difference (``compare.sign_flip_p``). Empty without both."""
-    from ragen_jax.compare import mean_se, sign_flip_p
-
+    sign-flip p-value of the mean difference (``paired.sign_flip_p``). Empty without both."""
     puzzles = history.get("val_puzzles") or []
     before = next((v for step, v in puzzles if step == 0), None)
     if before is None or len(puzzles) < 2 or puzzles[-1][0] == 0 or len(puzzles[-1][1]) != len(before):
