@@ -20,6 +20,9 @@ warm-up: the phases' cost does not depend on it). After a first step that compil
     log-probs from its own loss pass; ``scoring`` then reads "in the update");
   * ``validation``: ``eval.num_episodes`` (64) episodes, as the trainer validates.
 
+The SNR filter keeps every group (``--keep_filter`` keeps the config's): without a warm-up every
+group's rewards are equal, the filter would drop them all and the update would skip its loss pass.
+
 The trainer's own ``starpo_step`` runs the step (the state moves on between repeats, as in
 training). Ratios are against the first variant measured in the same invocation. Timings are
 only meaningful alone on the cores. The results file: ``benchmarks/results_llm_step.md``.
@@ -53,6 +56,20 @@ VARIANTS = {
     "no_think": ({"rollout.enable_think": False}, "replies without <think> (RAGEN's no-think configs)"),
     "short_replies": ({"rollout.max_new_tokens": 32}, "max_new_tokens 48 -> 32"),
     "no_remat": ({"model.remat": False}, "keep each layer's activations (no rematerialisation)"),
+    "as_trained_decode": ({"rollout.decode_weights": "as_trained"},
+                          "sampling on the training layout (adapters as a side branch, scanned layers)"),
+    "lora_top8": ({"model.lora_top_layers": 8}, "LoRA trained on the top 8 of 30 layers, the rest frozen"),
+    "one_round_as_trained": ({"filter.dynamic_sampling_rounds": 0, "rollout.decode_weights": "as_trained"},
+                             "one_round + as_trained_decode"),
+    "one_round_top8": ({"filter.dynamic_sampling_rounds": 0, "model.lora_top_layers": 8}, "one_round + lora_top8"),
+    "one_round_bf16": ({"filter.dynamic_sampling_rounds": 0, "model.matmul_dtype": "bfloat16"},
+                       "one_round + bf16_matmul"),
+    "eval_chunk64": ({"filter.dynamic_sampling_rounds": 0, "eval.chunk_rows": 64},
+                     "one_round + the 64 validation episodes in one rollout (not 4 x 16)"),
+    "fast": ({"filter.dynamic_sampling_rounds": 0, "model.matmul_dtype": "bfloat16", "model.lora_top_layers": 8},
+             "one_round + bf16_matmul + lora_top8"),
+    "fast_eval64": ({"filter.dynamic_sampling_rounds": 0, "model.matmul_dtype": "bfloat16", "model.lora_top_layers": 8,
+                     "eval.chunk_rows": 64}, "fast + eval_chunk64"),
 }
 
 
@@ -128,6 +145,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--keep_filter", action="store_true",
+                    help="keep the config's SNR filter (without a warm-up it drops every group: no loss pass)")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
@@ -135,6 +154,11 @@ def main():
         sys.exit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     base = load_config(args.config)
     base.warmup.steps = base.warmup.single_turn_steps = 0
+    if not args.keep_filter:
+        # Without a warm-up every reply is malformed and every group's rewards are equal, so the SNR
+        # filter drops them all and the update skips its loss pass: the step would time a scoring
+        # forward only. Every group is kept, so the update does what it does on a step that trains.
+        base.filter.value, base.filter.include_zero = 1.0, True
     base.trainer.progress_bar = False
     results = {}
     for name in names:

@@ -69,7 +69,9 @@ class ModelSection(Section):
     ``lora_rank > 0``: LoRA adapters (scale ``lora_alpha / lora_rank``) on the ``lora_targets``
     projections; only the adapters are trained and kept in optimizer state, the frozen base is the
     KL reference, checkpoints hold the adapters only (``models.lora``;
-    ``config.mode=export`` writes the merged model).
+    ``config.mode=export`` writes the merged model). ``lora_top_layers > 0`` trains the adapters of
+    the top layers only, the rest run frozen under stop_gradient (``ModelConfig.lora_top_layers``;
+    a deviation from RAGEN's every-layer LoRA, for a backward pass that stops early).
 
     ``provider``: ``"local"`` (the preset, run by this package) or a chat API (``PROVIDERS``: openai,
     anthropic, together, deepseek — any OpenAI-compatible server, ``ragen_jax.serve`` included, through
@@ -101,6 +103,7 @@ class ModelSection(Section):
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = LORA_TARGETS
+    lora_top_layers: int = 0
     provider: str = "local"
     base_url: Optional[str] = None
     name: Optional[str] = None
@@ -126,6 +129,7 @@ class ModelSection(Section):
                 check(value is None or (isinstance(value, str) and bool(value)),
                       f"model.{key}={value!r} must be a non-empty string (or unset for the provider's default)")
         check_int("model", "lora_rank", self.lora_rank, 0)
+        check_int("model", "lora_top_layers", self.lora_top_layers, 0)
         check_number("model", "lora_alpha", self.lora_alpha, 0.0, what=" (the adapter scale is lora_alpha / lora_rank)")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if unknown or not self.lora_targets:
@@ -278,7 +282,10 @@ class EvalConfig(Section):
 
     Seeds ``validation_seed ... + num_episodes - 1``, the same at every evaluation; each puzzle
     attempted ``pass_k`` times at ``temperature`` (0 = greedy). ``checkpoint_step``: in eval mode,
-    which checkpoint to score (None = the latest).
+    which checkpoint to score (None = the latest). ``chunk_rows``: episodes per validation rollout
+    (None = the training batch, ``rollout.batch_size``): more rows share each decode step's reading of
+    the weights (64 in one rollout instead of 4 × 16; ``benchmarks/results_llm_step.md``) at the memory of
+    a larger batch; the puzzles are the same, the sampling keys of each chunk differ with the cut.
     """
 
     KEY = "eval"
@@ -289,9 +296,12 @@ class EvalConfig(Section):
     pass_k: int = 1
     write_transcripts: bool = True
     checkpoint_step: Optional[int] = None
+    chunk_rows: Optional[int] = None
 
     def __post_init__(self):
         check_int("eval", "num_episodes", self.num_episodes, 1)
+        if self.chunk_rows is not None:
+            check_int("eval", "chunk_rows", self.chunk_rows, 1)
         check_int("eval", "pass_k", self.pass_k, 1)
         check_number("eval", "temperature", self.temperature, 0.0, what=" (0 = greedy)")
         if self.checkpoint_step is not None:
@@ -330,6 +340,9 @@ class MeshConfig(Section):
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
+DECODE_WEIGHTS = ("folded", "as_trained")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(Section):
     """``config.rollout``: the static settings of the rollout (``rollout.loop``): groups × group size,
@@ -365,8 +378,16 @@ class RolloutConfig(Section):
     # ReMax: also play one greedy (temperature 0) episode per group inside the same rollout program;
     # its return is every row's ``Trajectory.reward_baseline`` (costs one more rollout of num_groups rows).
     greedy_baseline: bool = False
+    # The weights sampling multiplies by (``decoder.decode_form``): "folded" = LoRA adapters folded into
+    # their projections, stacked layers unstacked, on a CPU the matmul kernel's panels (the same
+    # function up to float rounding; decode 1.4x faster for SmolLM2 + LoRA here); "as_trained" = the
+    # training layout as it is (adapters as a side branch, scanned layers; panels only where that
+    # layout allows them).
+    decode_weights: str = "folded"
 
     def __post_init__(self):
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"rollout.decode_weights={self.decode_weights!r}; choose one of {DECODE_WEIGHTS}")
         for name in ("num_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
                      "max_new_tokens", "max_seq_len", "context_window", "prefill_pieces"):
             check_int("rollout", name, getattr(self, name), 1)

@@ -83,6 +83,10 @@ class ModelConfig:
       lora_rank: > 0 gives every projection named in `lora_targets` a low-rank adapter
         (`decoder.LoRALinear`: y = x W + (alpha / rank) x A B, A [in, r], B [r, out] starting at 0);
         the adapters are `nnx.LoRAParam`s, the only weights StarPO and the warm-up train.
+      lora_top_layers: > 0 trains the adapters of the top `lora_top_layers` layers only (deviation
+        from RAGEN, whose LoRA trains every layer's): the layers below run with their weights under
+        `stop_gradient`, so the backward pass stops at the first trained layer and the frozen ones
+        are never rematerialised. Their adapters stay as they are (zero B: the base). 0 = every layer.
     """
 
     vocab_size: int
@@ -114,6 +118,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_top_layers: int = 0
 
     def __post_init__(self):
         # Frozen dataclass: normalise fields through object.__setattr__.
@@ -149,6 +154,9 @@ class ModelConfig:
         if unknown or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: choose a non-empty subset of "
                              f"{LORA_TARGETS}.")
+        if not isinstance(self.lora_top_layers, int) or not 0 <= self.lora_top_layers <= self.num_layers:
+            raise ValueError(f"ModelConfig.lora_top_layers={self.lora_top_layers!r} must be an int in "
+                             f"[0, num_layers={self.num_layers}] (0 = adapters trained on every layer).")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"ModelConfig.cpu_kernels must be 'auto', 'on' or 'off', got {self.cpu_kernels!r}.")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
@@ -160,6 +168,11 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
+
+    @property
+    def frozen_layers(self) -> int:
+        """How many bottom layers run under stop_gradient (``lora_top_layers``; 0 without LoRA)."""
+        return self.num_layers - self.lora_top_layers if self.lora_rank and self.lora_top_layers else 0
 
     @property
     def compute_dtype(self):

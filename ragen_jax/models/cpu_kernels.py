@@ -5,7 +5,8 @@
   matmuls (a quarter of a SmolLM2-135M greedy decode step); the kernel reads each (row, kv head)'s
   filled slots in place, once for all of its query heads, with the softmax in between.
 - ``packed_dense``: ``x @ W`` for the few rows of a decode step, with the weights repacked once per
-  ``generate`` call (``pack_panels``) into panels that stream contiguously. XLA's CPU matmul repacks a
+  ``generate`` call (``pack_panels``) into panels that stream contiguously; float32 weights, or
+  bfloat16 ones (``matmul_dtype="bfloat16"``: half the bytes per step). XLA's CPU matmul repacks a
   weight on every call, which on these shapes halves its speed.
 
 ``benchmarks/results_vs_vllm.md`` has the profile behind both. They are C++ compiled on first use with
@@ -36,7 +37,8 @@ __all__ = ["available", "why_unavailable", "kernels_apply", "cache_attention", "
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCES = [_KERNELS / name for name in ("cache_attention.cc", "packed_dense.cc")]
 _HEADERS = [_KERNELS / "parallel.h"]
-_TARGETS = {"ragen_cache_attention": "RagenCacheAttention", "ragen_packed_dense": "RagenPackedDense"}
+_TARGETS = {"ragen_cache_attention": "RagenCacheAttention", "ragen_packed_dense": "RagenPackedDense",
+            "ragen_packed_dense_bf16": "RagenPackedDenseBf16"}
 PANEL = 32  # columns per weight panel (kernels/packed_dense.cc)
 # Flags that let the compiler vectorise the dot products and sums (reassociation) without giving up
 # IEEE special values; -march=native because the library is built where it runs.
@@ -143,11 +145,19 @@ def pack_panels(w: jax.Array, transposed: bool = False) -> jax.Array:
 
 
 def packed_dense(x: jax.Array, panels: jax.Array) -> jax.Array:
-    """x float32 [..., K] @ W, W given as ``pack_panels(W)`` [N / PANEL, K, PANEL] -> float32 [..., N]."""
+    """x float32 [..., K] @ W, W given as ``pack_panels(W)`` [N / PANEL, K, PANEL] -> float32 [..., N].
+
+    Panels of a bfloat16 W: a bfloat16 matmul accumulated in float32 (x rounded to bfloat16 first, as
+    ``dot(x.astype(bf16), W, preferred_element_type=f32)`` rounds it), reading half the bytes."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
     n = panels.shape[0] * PANEL
-    y = jax.ffi.ffi_call("ragen_packed_dense", jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, panels)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    if panels.dtype == jnp.bfloat16:
+        rows = rows.astype(jnp.bfloat16).astype(jnp.float32)
+        y = jax.ffi.ffi_call("ragen_packed_dense_bf16", out)(rows, jax.lax.bitcast_convert_type(panels, jnp.uint16))
+    else:
+        y = jax.ffi.ffi_call("ragen_packed_dense", out)(rows, panels)
     return y.reshape(*lead, n)
 
 

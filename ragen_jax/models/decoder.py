@@ -100,7 +100,8 @@ class Linear(nnx.Linear):
         if kernel.ndim == 2:
             return super().__call__(x)
         y = packed_dense(x, kernel).astype(x.dtype)
-        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+        # The bias as nnx.Linear adds it: in the matmul's operand dtype (bfloat16 panels: rounded).
+        return y if self.bias is None else y + self.bias[...].astype(kernel.dtype).astype(y.dtype)
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, name: str = "") -> nnx.Linear:
@@ -415,20 +416,35 @@ class Decoder(nnx.Module):
             x = jnp.take(constrain_embedding_table(table), tokens, axis=0).astype(cfg.compute_dtype)
         x = constrain_activations(x)
         rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
+        # With lora_top_layers the layers below the top ones are frozen: their weights (adapters
+        # included) enter under stop_gradient, so a backward pass never reaches them and they need no
+        # rematerialisation (cfg.frozen_layers; 0 otherwise).
+        frozen = cfg.frozen_layers
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
-            step = jax.checkpoint(_run_layer, static_argnums=(0,)) if cfg.remat else _run_layer
+            remat_step = jax.checkpoint(_run_layer, static_argnums=(0,)) if cfg.remat else _run_layer
 
-            def body(carry, xs):
-                x, cache = carry
-                state, layer = xs
-                x, cache = step(graphdef, state, x, positions, rope, cache, layer)
-                return (constrain_activations(x), cache), None
+            def run(x, cache, weights, first, count, step):
+                def body(carry, xs):
+                    x, cache = carry
+                    state, layer = xs
+                    x, cache = step(graphdef, state, x, positions, rope, cache, layer)
+                    return (constrain_activations(x), cache), None
 
-            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+                (x, cache), _ = jax.lax.scan(body, (x, cache), (weights, first + jnp.arange(count)))
+                return x, cache
+
+            if frozen:
+                lower = jax.lax.stop_gradient(jax.tree.map(lambda w: w[:frozen], stacked))
+                x, cache = run(x, cache, lower, 0, frozen, _run_layer)
+                stacked = jax.tree.map(lambda w: w[frozen:], stacked)
+            x, cache = run(x, cache, stacked, frozen, cfg.num_layers - frozen, remat_step)
         else:
             for i, layer in enumerate(self.layers):
-                if cfg.remat:
+                if i < frozen:
+                    graphdef, state = nnx.split(layer)
+                    x, cache = _run_layer(graphdef, jax.lax.stop_gradient(state), x, positions, rope, cache, i)
+                elif cfg.remat:
                     graphdef, state = nnx.split(layer)
                     x, cache = jax.checkpoint(_run_layer, static_argnums=(0, 6))(
                         graphdef, state, x, positions, rope, cache, i)
@@ -469,13 +485,64 @@ class Decoder(nnx.Module):
         return self.logits(hidden), cache
 
 
+def decode_form(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model as sampling runs it: LoRA adapters folded into their projections
+    (``W + (alpha / r) A B``), stacked layers unstacked into a list, no rematerialisation, projection
+    weights stored in the matmuls' operand dtype (``matmul_dtype``), then ``pack_for_decode``.
+    -> ``(graphdef, state)`` of a plain Decoder computing the same function up to float rounding.
+
+    Why: the CPU kernels (``packed_dense``) run only on plain, unstacked float32 projections, and a
+    scanned decode slices every layer's weights out of the stack at each token; a LoRA model trained
+    with scanned, rematerialised layers (``configs/base.use_smollm2_with_lora``) would otherwise decode
+    on XLA's slowest forms. Folding costs one [in, r] x [r, out] product per projection per call (a
+    rollout, a validation), far below one decode step. Where nothing applies (no adapters, layers not
+    stacked, weights stored as multiplied) it is ``(graphdef, pack_for_decode(graphdef, state))``.
+    Pure: runs under any trace.
+    """
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    if not (cfg.lora_rank or cfg.scan_layers or cfg.remat or cfg.matmul_operand_dtype != cfg.weight_dtype):
+        return graphdef, pack_for_decode(graphdef, state)
+    plain_cfg = cfg.replace(lora_rank=0, scan_layers=False, remat=False)
+    plain_graphdef, plain = nnx.split(nnx.eval_shape(lambda: Decoder(plain_cfg, rngs=nnx.Rngs(0),
+                                                                     lm_head=model.has_lm_head)))
+    source = {tuple(path): var[...] for path, var in nnx.to_flat_state(state)}
+    scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+    operand = cfg.matmul_operand_dtype
+
+    def weight(path: tuple):
+        layer = None
+        if cfg.scan_layers and path[0] == "layers":  # ("layers", i, ...) <- ("layers", ...)[i]
+            layer, path = path[1], ("layers",) + path[2:]
+        value = source[path]
+        lora = path[:-1] + ("lora", "lora_a")
+        if path[-1] == "kernel" and lora in source:
+            a, b = source[lora], source[path[:-1] + ("lora", "lora_b")]
+            if layer is not None:
+                value, a, b = value[layer], a[layer], b[layer]
+            delta = jnp.einsum("ir,ro->io", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+            value = (value.astype(jnp.float32) + delta).astype(value.dtype)
+        elif layer is not None:
+            value = value[layer]
+        if path[-1] == "kernel" and value.dtype != operand:
+            # Stored as the matmul reads it (bfloat16 operands of float32 weights): the same numbers,
+            # half the bytes each decode step streams, no rounding at every call.
+            value = value.astype(operand)
+        return value
+
+    plain = nnx.from_flat_state([(path, var.replace(value=weight(tuple(path))))
+                                 for path, var in nnx.to_flat_state(plain)])
+    return plain_graphdef, pack_for_decode(plain_graphdef, plain)
+
+
 def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     """The model's weights with every float32 projection (and the logits' weight) in panels, for the
     ``packed_dense`` CPU kernel: what ``generate`` multiplies by, repacked once per call.
 
     Unchanged (returned as is) unless ``cfg.cpu_kernels`` picks the kernels here; projections with
-    LoRA adapters, widths that are not a multiple of 32, non-float32 weights or matmuls and scanned
-    (stacked) layers keep XLA's matmul. Packing reads and writes every weight once; weights already in
+    LoRA adapters, widths that are not a multiple of 32, weights not held in the matmul's operand
+    dtype (float32, or bfloat16 with ``matmul_dtype="bfloat16"``) and scanned (stacked) layers keep
+    XLA's matmul. Packing reads and writes every weight once; weights already in
     panels are left as they are, so a caller that decodes many times with the same weights (a server,
     a benchmark) packs once, at load, and every ``prefill`` and ``generate`` then runs on the panels.
     The packed copy lives beside the weights it was made from while it is in use (one more copy of
@@ -483,15 +550,20 @@ def pack_for_decode(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
-    if (cfg.scan_layers or cfg.matmul_operand_dtype != jnp.float32 or cfg.weight_dtype != jnp.float32
+    operand = cfg.matmul_operand_dtype
+    if (cfg.scan_layers or operand not in (jnp.float32, jnp.bfloat16)
             or not kernels_apply(cfg.cpu_kernels, cfg.compute_dtype)):
         return state
     # Which weights to pack (path -> given transposed), then a new state: nothing is mutated, so this runs
-    # under any trace (generate inside a rollout's scan).
+    # under any trace (generate inside a rollout's scan). A projection is packed when its weight is held
+    # in the matmul's operand dtype (float32, or bfloat16 operands stored so: decode_form).
     targets = {tuple(path) + ("kernel",): False for path, module in nnx.iter_graph(model)
-               if type(module) is Linear and module.kernel[...].ndim == 2 and module.kernel[...].shape[1] % PANEL == 0}
-    if (model.has_lm_head and cfg.tie_word_embeddings and cfg.vocab_size % PANEL == 0
-            and model.embed_tokens.embedding[...].ndim == 2):
+               if type(module) is Linear and module.kernel[...].ndim == 2 and module.kernel[...].shape[1] % PANEL == 0
+               and module.kernel[...].dtype == operand}
+    # The tied embedding is also the input lookup, which reads it in float32: packed only where the
+    # logits' matmul takes float32 operands too.
+    if (model.has_lm_head and cfg.tie_word_embeddings and cfg.vocab_size % PANEL == 0 and operand == jnp.float32
+            and model.embed_tokens.embedding[...].ndim == 2 and model.embed_tokens.embedding[...].dtype == operand):
         targets[("embed_tokens", "embedding")] = True
     return nnx.from_flat_state([(path, value.replace(value=pack_panels(value[...], targets[tuple(path)]))
                                  if tuple(path) in targets else value) for path, value in nnx.to_flat_state(state)])

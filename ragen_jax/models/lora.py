@@ -37,16 +37,18 @@ def _is_adapter(path) -> bool:
 
 
 def add_lora(model: Decoder, rank: int, alpha: float = 16.0, targets: tuple[str, ...] = LORA_TARGETS,
-             seed: int = 0) -> Decoder:
+             seed: int = 0, top_layers: int = 0) -> Decoder:
     """``model`` with rank-``rank`` adapters on ``targets``: its own weights (shared arrays, not copied)
     and new adapters (A: the LoRA default init from ``seed``, B: zeros, so the output is unchanged).
+    ``top_layers`` > 0: only the top ``top_layers`` layers' adapters train (``ModelConfig.lora_top_layers``).
 
     The adapted Decoder is built abstractly (``nnx.eval_shape``), so no second copy of the base is
     ever initialised: a 7B model grows only by its adapters.
     """
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank!r}")
-    cfg = model.cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=tuple(targets))
+    cfg = model.cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=tuple(targets),
+                            lora_top_layers=int(top_layers))
     fresh = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(fresh)
     base = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model))}

@@ -53,7 +53,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from environments.hashing import lowbias32
-from ragen_jax.models.decoder import pack_for_decode
+from ragen_jax.models.decoder import decode_form, pack_for_decode
 from ragen_jax.models.kv_cache import broadcast_cache, init_cache
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.models.sharding import cache_shardings
@@ -327,9 +327,15 @@ class Rollout:
     def _rollout(self, params, env_keys, sample_key, forced, greedy: bool = False):
         """The whole episode batch: reset, system prompt, ``max_turns`` turns under ``lax.scan``, close.
         ``greedy``: sample at temperature 0 whatever the config says (ReMax's baseline episodes)."""
-        # On a CPU every turn's prefill and decode multiply by the weights in the matmul kernel's panels,
-        # packed here once for the whole rollout (a no-op elsewhere: decoder.pack_for_decode).
-        model = (self.graphdef, params if self.remote is not None else pack_for_decode(self.graphdef, params))
+        # Sampling runs on the model's decode form, built once for the whole rollout: LoRA adapters folded
+        # in, layers unstacked and, on a CPU, the weights in the matmul kernel's panels
+        # (decoder.decode_form; the same function up to float rounding).
+        if self.remote is not None:
+            model = (self.graphdef, params)
+        elif self.config.decode_weights == "folded":
+            model = decode_form(self.graphdef, params)
+        else:
+            model = (self.graphdef, pack_for_decode(self.graphdef, params))
         carry = self._initial_carry(model, env_keys, sample_key)
         carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t, greedy), carry,
                                        jnp.arange(self.config.max_turns))

@@ -277,16 +277,38 @@ def _all_finite(tree: PyTree) -> jax.Array:
 # The update step
 
 
-def _guarded_step(tx, grads, opt_state, params, has_tokens):
+def frozen_layers_kept(updates: PyTree, frozen_layers: int) -> PyTree:
+    """``updates`` with every entry of layers ``< frozen_layers`` zeroed (``ModelConfig.lora_top_layers``):
+    their gradient is zero already, and this keeps AdamW's decoupled weight decay off them too.
+    Layers are ``("layers", i, ...)`` in a looped model, a leading [L] axis under ``("layers", ...)``
+    in a scanned one."""
+    if not frozen_layers:
+        return updates
+
+    def keep(path, u):
+        keys = [getattr(k, "key", None) for k in path]
+        if len(keys) < 2 or keys[0] != "layers":
+            return u
+        if isinstance(keys[1], int):
+            return jnp.zeros_like(u) if keys[1] < frozen_layers else u
+        trained = (jnp.arange(u.shape[0]) >= frozen_layers).reshape((-1,) + (1,) * (u.ndim - 1))
+        return jnp.where(trained, u, jnp.zeros_like(u))
+
+    return jax.tree_util.tree_map_with_path(keep, updates)
+
+
+def _guarded_step(tx, grads, opt_state, params, has_tokens, frozen_layers: int = 0):
     """One optax step applied only when there were tokens and every gradient is finite.
 
     Returns ``(params, opt_state, grad_norm, finite, applied)``; when not applied, params and optimizer
-    state are returned unchanged, so a NaN/inf gradient never reaches the weights.
+    state are returned unchanged, so a NaN/inf gradient never reaches the weights. The layers below
+    ``frozen_layers`` are left as they are (``frozen_layers_kept``).
     """
     grad_norm = optax.global_norm(grads)
     finite = _all_finite(grads)
     applied = has_tokens & finite
     updates, new_opt = tx.update(grads, opt_state, params)
+    updates = frozen_layers_kept(updates, frozen_layers)
     params = _select(applied, optax.apply_updates(params, updates), params)
     opt_state = _select(applied, new_opt, opt_state)
     return params, opt_state, grad_norm, finite, applied
@@ -731,7 +753,9 @@ def make_update_step(
 
         (grads, c_grads), aux = jax.lax.cond(has_tokens, run_micro_batches,
                                              lambda _: (zero_grads, zero_aux), None)
-        params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens)
+        frozen = nnx.merge(graphdefs.policy, params, rest[0]).cfg.frozen_layers
+        params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens,
+                                                                    frozen)
         nonfinite = has_tokens & ~finite
         metrics = {
             "actor/pg_loss": _safe_div(aux["pg_num"], den if pg_den is None else pg_den),

@@ -26,7 +26,7 @@ def build_model(spec: RunSpec, placement=None):
     if m.lora_rank:
         # Adapters on the (pretrained) base; only they train (starpo.update.init_train_state).
         model = add_lora(model, int(m.lora_rank), float(m.lora_alpha), tuple(m.lora_targets),
-                         seed=spec.seed + 3)
+                         seed=spec.seed + 3, top_layers=int(m.lora_top_layers))
         cfg = model.cfg
     return tokenizer, cfg, model
 

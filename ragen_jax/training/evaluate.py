@@ -191,7 +191,7 @@ def _run_eval(spec) -> dict[str, float]:
     if ckpt is not None:
         ckpt.close()
     ev = Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.eval,
-                   spec.rollout.batch_size, placement=run.placement)
+                   spec.eval.chunk_rows or spec.rollout.batch_size, placement=run.placement)
     main = run.placement.is_main  # with several processes, one writes and prints
     paths = _output_paths(spec, f"step{step}") if main else (None, None)
     metrics = ev(params, step, *paths)
@@ -233,7 +233,8 @@ def _run_remote_eval(spec) -> dict[str, float]:
     except ValueError as e:  # the key's variable is unset: the config's (or the shell's) to fix
         raise ConfigError(str(e)) from None
     try:
-        ev = Evaluator(None, env, env_params, tokenizer, spec.rollout, spec.eval, spec.rollout.batch_size,
+        ev = Evaluator(None, env, env_params, tokenizer, spec.rollout, spec.eval,
+                       spec.eval.chunk_rows or spec.rollout.batch_size,
                        remote=client)
         tag = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in m.name)
         paths = _output_paths(spec, tag)

@@ -390,7 +390,7 @@ def _make_evaluator(spec: RunSpec, run: Setup):
     if not (t.eval_every or t.eval_before_train):
         return None
     return Evaluator(run.graphdefs.policy, run.env, run.env_params, run.tokenizer, spec.rollout, spec.eval,
-                     chunk_rows=spec.rollout.batch_size, placement=run.placement)
+                     chunk_rows=spec.eval.chunk_rows or spec.rollout.batch_size, placement=run.placement)
 
 
 def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):

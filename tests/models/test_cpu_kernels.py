@@ -129,6 +129,56 @@ def test_packed_dense_matches_numpy():
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
 
 
+def _bf16(a):
+    """float32 -> the nearest bfloat16 (round to nearest even), as float64: NumPy has no bfloat16."""
+    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def test_packed_dense_of_bfloat16_weights_matches_numpy():
+    """bfloat16 panels: both operands rounded to bfloat16 (by hand here), products summed exactly enough
+    in float64 — the kernel's float32 sums stay within float32 rounding of that."""
+    rng = np.random.RandomState(7)
+    for rows, k, n in [(1, 24, 32), (13, 40, 96), (64, 576, 192), (150, 48, 64)]:
+        x, w = rng.randn(rows, k).astype(np.float32), rng.randn(k, n).astype(np.float32)
+        want = _bf16(x) @ _bf16(w)
+        panels = ca.pack_panels(jnp.asarray(w, jnp.bfloat16))
+        assert panels.dtype == jnp.bfloat16
+        got = ca.packed_dense(jnp.asarray(x), panels)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+        assert np.abs(np.asarray(got) - x.astype(np.float64) @ w).max() > 1e-3  # it did round
+
+
+def test_bfloat16_decode_on_panels_equals_xlas_bfloat16_matmuls():
+    """matmul_dtype=bfloat16: the decode form (weights stored and packed as bfloat16) gives the greedy
+    tokens and log-probs of XLA's bfloat16 matmuls on the same weights."""
+    from ragen_jax.models.decoder import decode_form
+
+    prompt = jnp.asarray(np.random.RandomState(5).randint(0, 96, (3, 9)), jnp.int32)
+    outs = {}
+    for mode in ("on", "off"):
+        cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, initializer_range=0.2, cpu_kernels=mode,
+                          matmul_dtype="bfloat16", tie_word_embeddings=True)
+        graphdef, state = decode_form(*nnx.split(Decoder(cfg, rngs=nnx.Rngs(0))))
+        packed = [v[...] for p, v in nnx.to_flat_state(state) if p[-1] == "kernel"]
+        assert all(w.dtype == jnp.bfloat16 for w in packed)
+        assert all(w.ndim == (3 if mode == "on" else 2) for w in packed)
+        cache = init_cache(cfg, 3, 40)
+        logits, cache = prefill((graphdef, state), cache, prompt, jnp.zeros(3, jnp.int32), jnp.full(3, 9, jnp.int32))
+        out = generate((graphdef, state), cache, logits, jnp.full(3, 9, jnp.int32), jnp.ones(3, bool),
+                       jax.random.split(jax.random.key(0), 3), SamplingConfig.greedy(), jnp.asarray([-1], jnp.int32),
+                       jnp.zeros((0, 0), jnp.int32), 12)
+        outs[mode] = (np.asarray(logits), np.asarray(out.tokens), np.asarray(out.logprobs))
+    np.testing.assert_allclose(outs["on"][0], outs["off"][0], atol=1e-4)
+    np.testing.assert_array_equal(outs["on"][1], outs["off"][1])
+    # Summation order differs (float32 both ways); where an activation then lies on a bfloat16
+    # rounding boundary the next matmul sees it one bfloat16 step apart: log-probs within 2e-2.
+    np.testing.assert_allclose(outs["on"][2], outs["off"][2], atol=2e-2)
+    np.testing.assert_allclose(np.median(np.abs(outs["on"][2] - outs["off"][2])), 0.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_greedy_decode_and_logits_agree_with_the_xla_forms(tied):
     """Same seeded weights, prompts and cache: with the kernels (cache attention; packed weights for the
