@@ -123,6 +123,26 @@ def test_eval_mode_reproduces_final_validation(straight_run):
     assert (workdir / "eval" / "transcripts_step2.jsonl").exists()
 
 
+def test_eval_chunk_rows_plays_the_same_puzzles(straight_run):
+    """``eval.chunk_rows``: the validation episodes in rollouts of that many rows. Greedy, each puzzle's
+    episode does not depend on which rows share its rollout: one row at a time and all four at once
+    give the same transcripts (the reference is the one-row cut, which shares nothing)."""
+    from ragen_jax.training.evaluate import run_eval
+
+    workdir, _ = straight_run
+    texts = {}
+    for rows in (1, 4):
+        cfg = small_config(workdir, total_steps=2, **{"trainer.resume": True}).config
+        with cfg.unlocked():
+            cfg.mode = "eval"
+            cfg.eval.update(dict(chunk_rows=rows, num_episodes=4, temperature=0.0))
+        metrics = run_eval(resolve(cfg))
+        lines = (workdir / "eval" / "transcripts_step2.jsonl").read_text().splitlines()
+        texts[rows] = ([json.loads(line)["transcript"] for line in lines], metrics["val/success"])
+    assert len(texts[1][0]) == 4
+    assert texts[1] == texts[4]
+
+
 def test_eval_of_a_step_without_a_checkpoint_names_the_steps_that_exist(straight_run):
     from ragen_jax.training.checkpoint import NoIntactCheckpoint
     from ragen_jax.training.evaluate import run_eval
