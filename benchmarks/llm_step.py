@@ -40,6 +40,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from ragen_jax.config import resolve  # noqa: E402
 from ragen_jax.rollout.turn_rows import turn_rows  # noqa: E402
@@ -48,6 +49,8 @@ from ragen_jax.starpo.train_state import policy_params  # noqa: E402
 from ragen_jax.training import run as run_lib, trainer  # noqa: E402
 
 # name -> (config overrides as "section.key": value, what the lever is)
+_FAST = {"filter.dynamic_sampling_rounds": 0, "model.matmul_dtype": "bfloat16", "model.lora_top_layers": 8,
+         "eval.chunk_rows": 64}
 VARIANTS = {
     "baseline": ({}, "the config as committed"),
     "cpu_kernels_off": ({"model.cpu_kernels": "off"}, "XLA's forms in decode (the CPU kernels off)"),
@@ -70,6 +73,13 @@ VARIANTS = {
              "one_round + bf16_matmul + lora_top8"),
     "fast_eval64": ({"filter.dynamic_sampling_rounds": 0, "model.matmul_dtype": "bfloat16", "model.lora_top_layers": 8,
                      "eval.chunk_rows": 64}, "fast + eval_chunk64"),
+    # The update's levers, one at a time from fast_eval64 as it was measured before they existed.
+    "fast_every_position": ({**_FAST, "starpo.logprobs_at": "every_position", "starpo.keep_frozen_residual": False},
+                            "fast_eval64 with log-probs at every position, the loss pass through every layer"),
+    "fast_loss_tokens": ({**_FAST, "starpo.keep_frozen_residual": False},
+                         "+ starpo.logprobs_at=loss_tokens (the LM head at the reply tokens only)"),
+    "fast_frozen_once": ({**_FAST}, "+ starpo.keep_frozen_residual (the frozen layers run once an update)"),
+    "fast_no_remat": ({**_FAST, "model.remat": False}, "+ model.remat=False (the 8 trained layers keep activations)"),
 }
 
 
@@ -88,7 +98,7 @@ def apply(cfg, overrides: dict):
     return cfg
 
 
-def measure(cfg, repeats: int) -> dict:
+def measure(cfg, repeats: int, validate: bool = True) -> dict:
     spec = resolve(cfg)
     run = run_lib.setup(spec)
     state = run.train_state
@@ -97,12 +107,18 @@ def measure(cfg, repeats: int) -> dict:
     P = len(run.rollout.codec.preamble_ids)
     loss_fn, critic_values = U.make_loss_fn(run.graphdefs, s, P)
     per_turn = run.rollout.per_turn_rows
+    # The scoring pass as the update runs it (the same switches).
+    frozen = nnx.merge(run.graphdefs.policy, state.params, state.policy_rest).cfg.frozen_layers
+    keep_frozen = s.keep_frozen_residual and frozen > 0
 
     def scoring_for(traj):
         _, mini = s.mini_batch_layout(traj.tokens.shape[0])
         _, micro = s.micro_batch_layout(mini)
+        max_scored = (spec.rollout.max_new_tokens * (1 if per_turn else traj.max_turns)
+                      if s.logprobs_at == "loss_tokens" else 0)
         return jax.jit(lambda st, tr: U.score_batch(run.graphdefs, s, critic_values, st, tr,
-                                                    None if per_turn is None else turn_rows(tr, *per_turn), micro, P))
+                                                    None if per_turn is None else turn_rows(tr, *per_turn), micro, P,
+                                                    max_scored, keep_frozen))
 
     rows = {"rollout": [], "update_total": [], "scoring": [], "validation": []}
     key = jax.random.key(spec.seed)
@@ -116,8 +132,9 @@ def measure(cfg, repeats: int) -> dict:
         jax.block_until_ready(score(state, traj))
         scoring_s = time.perf_counter() - t
         t = time.perf_counter()
-        evaluator.evaluate(policy_params(state), i)
-        validation_s = time.perf_counter() - t
+        if validate:
+            evaluator.evaluate(policy_params(state), i)
+        validation_s = time.perf_counter() - t if validate else float("nan")
         if i:
             rows["rollout"].append(metrics["timing_s/rollout"])
             rows["update_total"].append(metrics["timing_s/update"])
@@ -145,6 +162,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--no_validation", action="store_true",
+                    help="skip validation (for levers of the update, which validation does not run)")
     ap.add_argument("--keep_filter", action="store_true",
                     help="keep the config's SNR filter (without a warm-up it drops every group: no loss pass)")
     args = ap.parse_args()
@@ -162,7 +181,7 @@ def main():
     base.trainer.progress_bar = False
     results = {}
     for name in names:
-        results[name] = measure(apply(base, VARIANTS[name][0]), args.repeats)
+        results[name] = measure(apply(base, VARIANTS[name][0]), args.repeats, not args.no_validation)
         print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in results[name].items() if isinstance(v, float)),
               flush=True)
     ref = results[names[0]]

@@ -128,7 +128,7 @@ class _Programs:
         self.update = make_update_step(gd, spec.starpo, spec.filter, spec.collapse, group_size=spec.rollout.group_size,
                                        shared_prefix_len=len(self.rollout.codec.preamble_ids),
                                        per_turn_rows=self.rollout.per_turn_rows, placement=placement,
-                                       state_shardings=self.shardings)
+                                       state_shardings=self.shardings, reply_tokens=spec.rollout.max_new_tokens)
 
 
 def plan(spec, placement=None, *, keep_programs: bool = False):

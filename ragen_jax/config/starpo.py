@@ -16,6 +16,7 @@ from ragen_jax.starpo import advantages, losses, snr_filter
 
 CRITIC_MODES = ("auto", "none", "shared", "separate")
 LR_SCHEDULES = ("constant", "cosine")
+LOGPROBS_AT = ("loss_tokens", "every_position")
 
 
 def _divisors(n: int) -> list[int]:
@@ -73,6 +74,16 @@ class StarPOConfig(Section):
       (verl's convention), so the PPO ratio compares against the distribution the rollout sampled
       from; None = the rollout's ``temperature`` (resolved by the trainer's configuration), 1 for a
       caller that builds the update alone.
+    ``logprobs_at``: where the update computes log-probs and entropies. ``loss_tokens`` (default):
+      only at the tokens the loss reads (the replies; at most ``rollout.max_new_tokens`` per turn),
+      the LM head run on those positions alone — the same values there at a fraction of the head's
+      cost; positions the loss does not read hold 0. ``every_position``: every position of every
+      row, as RAGEN and verl do. A deviation in cost only; the trainer passes the reply budget
+      (``make_update_step(reply_tokens=...)``), without which every position is scored.
+    ``keep_frozen_residual``: with ``model.lora_top_layers`` the scoring pass keeps each row's residual
+      stream after the frozen layers ([rows, L, D] activations held through the update) and the loss
+      pass starts from it: the same numbers (frozen weights do not move within an update) without a
+      second forward through the frozen layers. Off: the loss pass runs the whole model again.
     """
 
     KEY = "starpo"
@@ -118,6 +129,8 @@ class StarPOConfig(Section):
     cliprange_value: float = 0.5
     logprob_chunk_size: int = 256
     logprob_temperature: Optional[float] = None
+    logprobs_at: str = "loss_tokens"
+    keep_frozen_residual: bool = True
     seq_len_multiple: int = 0
     # GiGPO (adv_estimator='gigpo'): weight of the step term, discount of the turn returns, and the
     # normalisation of both terms: 'mean' (the reference's mean_norm) or 'std' (mean_std_norm).
@@ -189,6 +202,8 @@ class StarPOConfig(Section):
         check(isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0,
                f"{s}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
         check_int(s, "logprob_chunk_size", self.logprob_chunk_size, 1)
+        check(self.logprobs_at in LOGPROBS_AT,
+              f"{s}.logprobs_at={self.logprobs_at!r}; allowed: {', '.join(LOGPROBS_AT)}.")
         check_int(s, "seq_len_multiple", self.seq_len_multiple, 0)
         self._check_credit_assignment(s)
         check(

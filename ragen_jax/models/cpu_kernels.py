@@ -172,24 +172,26 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer, positions: 
     layer = jnp.asarray(layer, jnp.int32)
     positions = positions.astype(jnp.int32)
 
-    def call(q, k, v):
+    def call(q, k, v, layer, positions):
         out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
         return jax.ffi.ffi_call("ragen_cache_attention", out)(q, k, v, layer, positions)
 
+    # layer and positions are arguments, not closed over: a backward rule that closes over values
+    # traced by an enclosing scan or remat (the layer index of a scanned model) leaks them.
     @jax.custom_vjp
-    def attend(q, k, v):
-        return call(q, k, v)
+    def attend(q, k, v, layer, positions):
+        return call(q, k, v, layer, positions)
 
-    def forward(q, k, v):
-        return call(q, k, v), (q, k, v)
+    def forward(q, k, v, layer, positions):
+        return call(q, k, v, layer, positions), (q, k, v, layer, positions)
 
     def backward(res, g):
-        q, k, v = res
+        q, k, v, layer, positions = res
         if jnp.issubdtype(k.dtype, jnp.integer):  # a cache held as bits has no gradient
             _, vjp = jax.vjp(lambda q: reference(q, k, v, layer, positions), q)
-            return vjp(g) + (None, None)
+            return vjp(g) + (None, None, None, None)
         _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, layer, positions), q, k, v)
-        return vjp(g)
+        return vjp(g) + (None, None)
 
     attend.defvjp(forward, backward)
-    return attend(q, k, v)
+    return attend(q, k, v, layer, positions)

@@ -380,13 +380,50 @@ class Decoder(nnx.Module):
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array,
-               cache: KVCache | SharedPrefix | None = None) -> tuple[jax.Array, KVCache | SharedPrefix | None]:
+               cache: KVCache | SharedPrefix | None = None, *,
+               lower: jax.Array | None = None) -> tuple[jax.Array, KVCache | SharedPrefix | None]:
         """tokens, positions int32 [B, T] -> (final-normed hidden [B, T, D] in cfg.dtype, cache).
 
         ``cache``: None (the tokens are a whole sequence, causal), a KVCache (decode / prefill into
         slots ``positions``), or a SharedPrefix (the tokens continue that prompt; positions should
         then start at its length).
+        ``lower``: these tokens' residual stream after the frozen layers (``frozen_residual``, [B, T, D]);
+        the pass then starts there and runs the layers above ``cfg.frozen_layers`` only — the same
+        output, without the frozen layers' forward (cache None or a SharedPrefix).
         """
+        cfg = self.cfg
+        self._check_inputs(tokens, positions, cache)
+        positions = positions.astype(jnp.int32)
+        rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
+        if lower is None:
+            x, cache = self._layers(self._embed(tokens), positions, rope, cache, 0, cfg.num_layers)
+        else:
+            if isinstance(cache, KVCache):
+                raise ValueError("hidden(lower=...) continues a whole sequence or a SharedPrefix; a KVCache "
+                                 "would miss the frozen layers' keys and values")
+            if lower.shape != tokens.shape + (cfg.hidden_size,):
+                raise ValueError(f"lower must be [batch, seq, {cfg.hidden_size}] for tokens {tokens.shape}; got "
+                                 f"{lower.shape}")
+            x, cache = self._layers(lower.astype(cfg.compute_dtype), positions, rope, cache, cfg.frozen_layers,
+                                    cfg.num_layers)
+        return self.norm(x), cache
+
+    def frozen_residual(self, tokens: jax.Array, positions: jax.Array,
+                        cache: SharedPrefix | None = None) -> jax.Array:
+        """tokens, positions int32 [B, T] -> the residual stream after the frozen layers [B, T, D]
+        (``cfg.frozen_layers``; the embeddings when none), under stop_gradient: what
+        ``hidden(..., lower=)`` starts from. The frozen weights do not change during an update, so a
+        scoring pass can compute it once for the loss pass too."""
+        cfg = self.cfg
+        if isinstance(cache, KVCache):
+            raise ValueError("frozen_residual runs a whole sequence or continues a SharedPrefix, not a KVCache")
+        self._check_inputs(tokens, positions, cache)
+        positions = positions.astype(jnp.int32)
+        rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
+        x, _ = self._layers(self._embed(tokens), positions, rope, cache, 0, cfg.frozen_layers)
+        return jax.lax.stop_gradient(x)
+
+    def _check_inputs(self, tokens, positions, cache) -> None:
         cfg = self.cfg
         if tokens.ndim != 2 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must both be [batch, seq]; got {tokens.shape} "
@@ -400,47 +437,56 @@ class Decoder(nnx.Module):
         if cache is not None and cache.k.shape[0] != cfg.num_layers:
             raise ValueError(f"cache has {cache.k.shape[0]} layers, the model {cfg.num_layers}; "
                              "build it with init_cache(cfg, batch, max_len).")
-        positions = positions.astype(jnp.int32)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 [B, T] -> the residual stream's start [B, T, D] in cfg.compute_dtype."""
+        # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
+        # boundary; without one constrain_activations is the identity.
+        table = self.embed_tokens.embedding[...]
+        if table.ndim == 3:  # the tied embedding in panels (pack_for_decode): row v is column v % 32 of panel v // 32
+            x = table[tokens // PANEL, :, tokens % PANEL].astype(self.cfg.compute_dtype)
+        else:
+            x = jnp.take(constrain_embedding_table(table), tokens, axis=0).astype(self.cfg.compute_dtype)
+        return constrain_activations(x)
+
+    def _layers(self, x: jax.Array, positions: jax.Array, rope, cache, first: int, last: int):
+        """Layers ``first .. last - 1`` over the residual stream x [B, T, D] -> (x, cache)."""
+        cfg = self.cfg
         # A bfloat16 cache goes through the layers as its uint16 bits: one bitcast each way per forward
         # instead of a whole-buffer copy at every layer's write (kv_cache.as_bits). A cache already held
         # as bits (generate's loop) stays so.
         to_bits = isinstance(cache, KVCache) and cache.k.dtype == jnp.bfloat16
         if to_bits:
             cache = as_bits(cache)
-        # Under a mesh (jax.set_mesh) the residual stream is pinned batch-sharded at every block
-        # boundary; without one constrain_activations is the identity.
-        table = self.embed_tokens.embedding[...]
-        if table.ndim == 3:  # the tied embedding in panels (pack_for_decode): row v is column v % 32 of panel v // 32
-            x = table[tokens // PANEL, :, tokens % PANEL].astype(cfg.compute_dtype)
-        else:
-            x = jnp.take(constrain_embedding_table(table), tokens, axis=0).astype(cfg.compute_dtype)
-        x = constrain_activations(x)
-        rope = rope_tables(positions, rope_frequencies(cfg), cfg.compute_dtype)
         # With lora_top_layers the layers below the top ones are frozen: their weights (adapters
         # included) enter under stop_gradient, so a backward pass never reaches them and they need no
         # rematerialisation (cfg.frozen_layers; 0 otherwise).
-        frozen = cfg.frozen_layers
+        frozen = min(max(cfg.frozen_layers, first), last)
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
             remat_step = jax.checkpoint(_run_layer, static_argnums=(0,)) if cfg.remat else _run_layer
 
-            def run(x, cache, weights, first, count, step):
+            def run(x, cache, start, stop, step, stop_gradient):
+                if stop <= start:
+                    return x, cache
+                weights = jax.tree.map(lambda w: w[start:stop], stacked)
+                if stop_gradient:
+                    weights = jax.lax.stop_gradient(weights)
+
                 def body(carry, xs):
                     x, cache = carry
                     state, layer = xs
                     x, cache = step(graphdef, state, x, positions, rope, cache, layer)
                     return (constrain_activations(x), cache), None
 
-                (x, cache), _ = jax.lax.scan(body, (x, cache), (weights, first + jnp.arange(count)))
+                (x, cache), _ = jax.lax.scan(body, (x, cache), (weights, start + jnp.arange(stop - start)))
                 return x, cache
 
-            if frozen:
-                lower = jax.lax.stop_gradient(jax.tree.map(lambda w: w[:frozen], stacked))
-                x, cache = run(x, cache, lower, 0, frozen, _run_layer)
-                stacked = jax.tree.map(lambda w: w[frozen:], stacked)
-            x, cache = run(x, cache, stacked, frozen, cfg.num_layers - frozen, remat_step)
+            x, cache = run(x, cache, first, frozen, _run_layer, True)
+            x, cache = run(x, cache, frozen, last, remat_step, False)
         else:
-            for i, layer in enumerate(self.layers):
+            for i in range(first, last):
+                layer = self.layers[i]
                 if i < frozen:
                     graphdef, state = nnx.split(layer)
                     x, cache = _run_layer(graphdef, jax.lax.stop_gradient(state), x, positions, rope, cache, i)
@@ -451,7 +497,7 @@ class Decoder(nnx.Module):
                 else:
                     x, cache = layer(x, positions, rope, cache, i)
                 x = constrain_activations(x)
-        return self.norm(x), from_bits(cache) if to_bits else cache
+        return x, from_bits(cache) if to_bits else cache
 
     def encode_prefix(self, tokens: jax.Array) -> tuple[jax.Array, SharedPrefix]:
         """tokens int32 [b, P] (positions 0..P-1) -> (hidden [b, P, D], SharedPrefix of them).

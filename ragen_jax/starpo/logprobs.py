@@ -82,9 +82,84 @@ def logprobs_from_hidden(
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
 
 
+def score_slots(scored: jax.Array, max_scored: int) -> jax.Array:
+    """bool [B, L] -> int32 [B, K]: the marked positions of each row in order (K = ``max_scored``,
+    at most L), -1 in the slots left over. Position 0 predicts nothing and is never a slot. A row that
+    marks more than K positions keeps its first K (``unscored_count`` counts the rest)."""
+    k = min(max_scored, scored.shape[1])
+    scored = scored.at[:, 0].set(False)
+    # A stable sort puts each row's marked positions first, in order.
+    slots = jnp.argsort(~scored, axis=1, stable=True)[:, :k].astype(jnp.int32)
+    return jnp.where(jnp.take_along_axis(scored, slots, axis=1), slots, -1)
+
+
+def unscored_count(scored: jax.Array, max_scored: int) -> jax.Array:
+    """int32: marked positions beyond ``max_scored`` in their row (left unscored; 0 when the bound holds)."""
+    per_row = jnp.sum(scored[:, 1:], axis=1)
+    return jnp.sum(jnp.maximum(per_row - min(max_scored, scored.shape[1]), 0)).astype(jnp.int32)
+
+
+def scored_logprobs_from_hidden(
+    model, hidden: jax.Array, tokens: jax.Array, slots: jax.Array, *, chunk_size: int,
+    with_entropy: bool = True, temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """``logprobs_from_hidden`` at the positions ``slots`` lists only, zeros elsewhere.
+
+    The loss reads a token's log-prob only where its mask is set (the replies: ~50 of a few hundred
+    positions of a turn row), yet the LM head is the widest matmul of the model (vocabulary columns)
+    and its log-softmax and entropy run over that width too. Here the hidden states that predict the
+    listed tokens are gathered first (``[B, K, D]``), the head runs on those alone, and the results
+    are scattered back: the same values at those positions (each is the same row of the same
+    matmul), forward and backward, at K/L of the head's cost.
+
+    Args:
+      hidden: [B, L, D]; tokens: int32 [B, L] (as ``logprobs_from_hidden``).
+      slots: int32 [B, K] positions to score (``score_slots``), -1 for an empty slot.
+    Returns:
+      (logp, entropy): float32 [B, L], as ``logprobs_from_hidden`` at the listed positions, 0 elsewhere.
+    """
+    batch, seq_len, dim = hidden.shape
+    live = slots > 0
+    at = jnp.where(live, slots, 1)
+    # Position t is scored from the hidden state at t - 1. logprobs_from_hidden scores entry j + 1
+    # from hidden entry j: lay the gathered states at 0..K-1 and their targets at 1..K.
+    h = jnp.take_along_axis(hidden, (at - 1)[..., None], axis=1)  # [B, K, D]
+    h = jnp.concatenate([h, jnp.zeros((batch, 1, dim), h.dtype)], axis=1)
+    targets = jnp.take_along_axis(tokens, at, axis=1)
+    targets = jnp.concatenate([jnp.zeros((batch, 1), targets.dtype), targets], axis=1)
+    logp, ent = logprobs_from_hidden(model, h, targets, chunk_size=chunk_size, with_entropy=with_entropy,
+                                     temperature=temperature)
+    rows = jnp.arange(batch)[:, None]
+    dest = jnp.where(live, slots, seq_len)  # out of range: dropped
+    back = lambda v: jnp.zeros((batch, seq_len), jnp.float32).at[rows, dest].set(v[:, 1:], mode="drop")
+    return back(logp), back(ent)
+
+
+def frozen_rows_residual(model, tokens: jax.Array, *, shared_prefix_len: int = 0) -> jax.Array:
+    """The rows' residual stream after the model's frozen layers (``ModelConfig.lora_top_layers``), what
+    ``sequence_logprobs(..., lower=)`` starts from: [B, L, D], or [B, L - P, D] past a shared prefix of
+    P tokens (the prefix itself is re-encoded by every pass: one row)."""
+    P = shared_prefix_len
+    if not P:
+        return model.frozen_residual(tokens, positions_for(tokens))
+    _check_prefix(P, tokens.shape[1])
+    _, prefix = model.encode_prefix(tokens[:1, :P])
+    return model.frozen_residual(tokens[:, P:], _positions_after(P, tokens.shape), prefix)
+
+
+def _check_prefix(P: int, seq_len: int) -> None:
+    if not 0 < P < seq_len:
+        raise ValueError(f"shared_prefix_len={P} must be in [0, {seq_len}) for rows of {seq_len} tokens.")
+
+
+def _positions_after(P: int, shape: tuple[int, int]) -> jax.Array:
+    """int32 [B, L - P]: positions P..L-1 of every row."""
+    return jnp.broadcast_to(jnp.arange(P, shape[1], dtype=jnp.int32), (shape[0], shape[1] - P))
+
+
 def sequence_logprobs(
     model, tokens: jax.Array, *, chunk_size: int, with_entropy: bool = True, shared_prefix_len: int = 0,
-    temperature: float = 1.0,
+    temperature: float = 1.0, slots: jax.Array | None = None, lower: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One trunk pass over right-padded rows: (logp [B, L], entropy [B, L], hidden [B, L, D]).
 
@@ -92,29 +167,33 @@ def sequence_logprobs(
     every rollout starts with). Those P positions are then run once, for row 0, and the rows continue
     from their keys/values (``Decoder.encode_prefix``): the same outputs as the full pass, without
     paying the prompt's trunk, attention and LM-head cost once per row.
+
+    ``slots`` (int32 [B, K], ``score_slots``): log-probs and entropies only at those positions
+    (``scored_logprobs_from_hidden``), 0 elsewhere; None scores every position.
+    ``lower`` (``frozen_rows_residual`` of the same rows): start above the frozen layers.
     """
     P = shared_prefix_len
-    if not P:
-        hidden, _ = model.hidden(tokens, positions_for(tokens))
-        logp, ent = logprobs_from_hidden(model, hidden, tokens, chunk_size=chunk_size, with_entropy=with_entropy,
-                                         temperature=temperature)
-        return logp, ent, hidden
     batch, seq_len = tokens.shape
-    if not 0 < P < seq_len:
-        raise ValueError(f"shared_prefix_len={P} must be in [0, {seq_len}) for rows of {seq_len} tokens.")
-    h_pre, prefix = model.encode_prefix(tokens[:1, :P])
-    positions = jnp.broadcast_to(jnp.arange(P, seq_len, dtype=jnp.int32), (batch, seq_len - P))
-    h_rest, _ = model.hidden(tokens[:, P:], positions, prefix)
+    if not P:
+        hidden, _ = model.hidden(tokens, positions_for(tokens), lower=lower)
+    else:
+        _check_prefix(P, seq_len)
+        h_pre, prefix = model.encode_prefix(tokens[:1, :P])
+        h_rest, _ = model.hidden(tokens[:, P:], _positions_after(P, tokens.shape), prefix, lower=lower)
+        hidden = jnp.concatenate([jnp.broadcast_to(h_pre, (batch,) + h_pre.shape[1:]), h_rest], axis=1)
+    score = dict(chunk_size=chunk_size, with_entropy=with_entropy, temperature=temperature)
+    if slots is not None:
+        logp, ent = scored_logprobs_from_hidden(model, hidden, tokens, slots, **score)
+        return logp, ent, hidden
+    if not P:
+        logp, ent = logprobs_from_hidden(model, hidden, tokens, **score)
+        return logp, ent, hidden
     # Tokens 1..P-1 are scored once (shared); token P onwards per row, from the prefix's last
     # position followed by the rows' own: scoring tokens[:, P-1:] gives [0, logp(P), logp(P+1), ...].
-    lp_pre, ent_pre = logprobs_from_hidden(model, h_pre, tokens[:1, :P], chunk_size=chunk_size,
-                                           with_entropy=with_entropy, temperature=temperature)
-    h_last = jnp.broadcast_to(h_pre[:, P - 1:], (batch, 1, h_pre.shape[-1]))
-    lp_rest, ent_rest = logprobs_from_hidden(model, jnp.concatenate([h_last, h_rest], axis=1), tokens[:, P - 1:],
-                                             chunk_size=chunk_size, with_entropy=with_entropy, temperature=temperature)
+    lp_pre, ent_pre = logprobs_from_hidden(model, h_pre, tokens[:1, :P], **score)
+    lp_rest, ent_rest = logprobs_from_hidden(model, hidden[:, P - 1:], tokens[:, P - 1:], **score)
     logp = jnp.concatenate([jnp.broadcast_to(lp_pre, (batch, P)), lp_rest[:, 1:]], axis=1)
     ent = jnp.concatenate([jnp.broadcast_to(ent_pre, (batch, P)), ent_rest[:, 1:]], axis=1)
-    hidden = jnp.concatenate([jnp.broadcast_to(h_pre, (batch,) + h_pre.shape[1:]), h_rest], axis=1)
     return logp, ent, hidden
 
 

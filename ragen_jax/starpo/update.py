@@ -52,7 +52,7 @@ from ragen_jax.starpo import losses
 from ragen_jax.starpo import overlong
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
-                                      sequence_logprobs)
+                                      frozen_rows_residual, score_slots, sequence_logprobs, unscored_count)
 
 PyTree = Any
 
@@ -325,7 +325,7 @@ def make_batch_statistics(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0)
     def batch_statistics(params, rest, mb):
         policy = nnx.merge(graphdefs.policy, params, rest[0])
         logp, _, _ = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk, temperature=cfg.scoring_temperature,
-                                       shared_prefix_len=shared_prefix_len)
+                                       shared_prefix_len=shared_prefix_len, slots=mb.get("score_slots"))
         terms = losses.rollout_correction_terms(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"],
                                                 **policy_hparams)
         sums = {"pg_den": losses.loss_denominator(terms["kept"], cfg.actor_loss_agg_mode, mb["row_weights"]),
@@ -371,7 +371,8 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         policy = nnx.merge(graphdefs.policy, params, rest[0])
         logp, entropy, hidden = sequence_logprobs(policy, mb["tokens"], chunk_size=chunk,
                                                   temperature=cfg.scoring_temperature,
-                                                  shared_prefix_len=shared_prefix_len)
+                                                  shared_prefix_len=shared_prefix_len, slots=mb.get("score_slots"),
+                                                  lower=mb.get("frozen_residual"))
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         old_logp = jax.lax.stop_gradient(logp) if single_pass else mb["old_logp"]
         batch_terms = {} if pg_den is None else {"kept_mask": mb["kept_mask"], "is_weight_mean": is_weight_mean}
@@ -431,33 +432,48 @@ def is_single_pass(cfg, filter_cfg, num_mini: int, per_turn: bool) -> bool:
 
 
 def score_batch(graphdefs: Graphdefs, cfg, critic_values, state: TrainState, traj: Trajectory,
-                rows, micro_size: int, shared_prefix_len: int) -> dict:
+                rows, micro_size: int, shared_prefix_len: int, max_scored: int = 0,
+                keep_frozen: bool = False) -> dict:
     """Stage 1, no gradient: old log-probs (at the sampling temperature) and entropies, reference log-probs when a
     KL term needs them, critic values; each float32 ``[B, L]`` on the transcript. On per-turn rows
-    (``rows``) every reply is scored in the window it was sampled in, then written back."""
+    (``rows``) every reply is scored in the window it was sampled in, then written back. ``max_scored``
+    > 0: log-probs and entropies at the sampled tokens only (at most that many a row), 0 elsewhere.
+    ``keep_frozen``: also ``frozen_residual`` ``[rows, L(-P), D]``, the rows' residual stream after the
+    frozen layers (row layout, not written back), for the loss pass to start from."""
     policy_rest, critic_rest, ref_rest = state.rest
     chunk = cfg.logprob_chunk_size
 
     def score_rows(chunk_rows):
         policy = nnx.merge(graphdefs.policy, state.params, policy_rest)
+        slots = chunk_rows.get("score_slots")
+        out = {}
+        if keep_frozen:  # the loss pass starts from it (starpo.keep_frozen_residual)
+            out["frozen_residual"] = frozen_rows_residual(policy, chunk_rows["tokens"],
+                                                          shared_prefix_len=shared_prefix_len)
         logp, entropy, hidden = sequence_logprobs(policy, chunk_rows["tokens"], chunk_size=chunk,
                                                   temperature=cfg.scoring_temperature,
-                                                  shared_prefix_len=shared_prefix_len)
-        out = {"logp": logp, "entropy": entropy}
+                                                  shared_prefix_len=shared_prefix_len, slots=slots,
+                                                  lower=out.get("frozen_residual"))
+        out.update(logp=logp, entropy=entropy)
         if cfg.uses_reference:
             ref = nnx.merge(graphdefs.reference, state.ref_params, policy_rest if ref_rest is None else ref_rest)
             out["ref_logp"], _, _ = sequence_logprobs(ref, chunk_rows["tokens"], chunk_size=chunk,
                                                       temperature=cfg.scoring_temperature,
-                                                      with_entropy=False, shared_prefix_len=shared_prefix_len)
+                                                      with_entropy=False, shared_prefix_len=shared_prefix_len,
+                                                      slots=slots)
         if cfg.critic_mode != "none":
             out["values"] = critic_values(state.critic_params, critic_rest, chunk_rows["tokens"], hidden)
         return out
 
+    view = traj if rows is None else rows.view
+    inputs = {"tokens": view.tokens}
+    if max_scored:
+        inputs["score_slots"] = score_slots(view.loss_mask.astype(bool), max_scored)
     if rows is None:
-        old = _rows_in_chunks(score_rows, {"tokens": traj.tokens}, micro_size)
+        old = _rows_in_chunks(score_rows, inputs, micro_size)
     else:
-        old = _rows_in_chunks(score_rows, {"tokens": rows.view.tokens}, micro_size * traj.max_turns)
-        old = {k: rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
+        old = _rows_in_chunks(score_rows, inputs, micro_size * traj.max_turns)
+        old = {k: v if k == "frozen_residual" else rows.scatter(v, traj.sampler_logprobs) for k, v in old.items()}
     return jax.lax.stop_gradient(old)
 
 
@@ -598,10 +614,14 @@ def update_batch(cfg, traj: Trajectory, train_mask: jax.Array, row_weights: jax.
         data["old_values"] = old.get("values")
         data["returns"] = returns
     if rows is None:
+        if "frozen_residual" in old:
+            data["frozen_residual"] = old["frozen_residual"]
         return data, 1
     row_w_rows = row_weights[rows.episode]  # [B*T]
     data = {k: row_w_rows if k == "row_weights" else rows.view.tokens if k == "tokens" else rows.gather(v)
             for k, v in data.items()}
+    if "frozen_residual" in old:  # computed on the rows already
+        data["frozen_residual"] = old["frozen_residual"]
     data["loss_mask"] = data["loss_mask"] & rows.view.loss_mask
     return data, traj.max_turns
 
@@ -655,6 +675,7 @@ def make_update_step(
     placement=None,
     state_shardings=None,
     single_pass: Optional[bool] = None,
+    reply_tokens: int = 0,
 ):
     """Builds ``update(train_state, trajectory, key=None) -> (train_state, metrics)``.
 
@@ -680,6 +701,9 @@ def make_update_step(
         global batch: the program is written for one device and XLA inserts the collectives.
       single_pass: skip the scoring forward when ``is_single_pass`` holds (None: whenever it does; False:
         never, the two-pass reference). The sampler agreement is then measured on the kept rows only.
+      reply_tokens: the most tokens one reply holds (the rollout's ``max_new_tokens``). With
+        ``starpo.logprobs_at='loss_tokens'`` log-probs are then computed at the loss tokens only
+        (``logprobs.scored_logprobs_from_hidden``); 0 scores every position.
     The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
     drives pair sampling and shuffling; without it the state's key is split and advanced.
     """
@@ -811,10 +835,17 @@ def make_update_step(
         rows = None if per_turn_rows is None else turn_rows(traj, *per_turn_rows)
 
         single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini, rows is not None)
+        # The most loss tokens a row holds (a turn row: one reply; a transcript: one per turn); 0 =
+        # log-probs at every position (starpo.logprobs_at).
+        max_scored = reply_tokens * (1 if rows is not None else traj.max_turns) \
+            if cfg.logprobs_at == "loss_tokens" else 0
         if single:  # 1. is folded into the loss pass
             old, metrics = {}, {}
         else:
-            old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P)  # 1.
+            frozen = nnx.merge(graphdefs.policy, state.params, state.policy_rest).cfg.frozen_layers
+            keep_frozen = cfg.keep_frozen_residual and frozen > 0
+            old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P, max_scored,  # 1.
+                              keep_frozen)
             metrics = sampler_agreement(cfg, old, traj, loss_mask)
         metrics.update(metrics0)
         c_metrics, collapse_state = diagnose_collapse(graphdefs, cfg, collapse_cfg, state, traj, rows,  # 2.
@@ -838,6 +869,11 @@ def make_update_step(
 
         # 5.–6. PPO epochs × mini-batches × micro-batches.
         data, rows_per_episode = update_batch(cfg, traj, train_mask, filt.row_weights, old, advantages, returns, rows)
+        if max_scored:
+            data["score_slots"] = score_slots(data["loss_mask"], max_scored)
+            # 0 while every reply fits the budget the trainer passed; a count here means loss tokens
+            # were left out of the loss (a reply longer than reply_tokens).
+            metrics["actor/unscored_loss_tokens"] = unscored_count(data["loss_mask"], max_scored).astype(jnp.float32)
         if cfg.policy_loss == "clip_cov":  # the order in which Clip-Cov draws the tokens it cuts
             noise = jax.random.uniform(jax.random.fold_in(key_shuffle, 1), data["loss_mask"].shape)
             data["policy_noise"] = noise

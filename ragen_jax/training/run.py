@@ -111,7 +111,8 @@ def setup(spec: RunSpec, placement=None) -> Setup:
         return make_update_step(graphdefs, spec.starpo, spec.filter, spec.collapse,
                                 group_size=spec.rollout.group_size,
                                 shared_prefix_len=len(rollout.codec.preamble_ids),
-                                per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings)
+                                per_turn_rows=per_turn, placement=placement, state_shardings=state_shardings,
+                                reply_tokens=spec.rollout.max_new_tokens)
 
     analysis = None
     if spec.trainer.gradient_analysis_every:

@@ -187,3 +187,62 @@ def test_update_with_top_layers_leaves_the_frozen_adapters():
 def test_lora_top_layers_is_checked():
     with pytest.raises(ValueError, match="lora_top_layers"):
         CFG.replace(lora_top_layers=4)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("prefix_len", [0, 3])
+def test_starting_above_the_frozen_layers_gives_the_whole_pass(scan, prefix_len):
+    """``frozen_rows_residual`` then ``sequence_logprobs(lower=)`` (``starpo.keep_frozen_residual``):
+    the same hidden states, log-probs and adapter gradients as the pass through every layer."""
+    from ragen_jax.starpo.logprobs import frozen_rows_residual, sequence_logprobs
+
+    model = _perturbed(add_lora(Decoder(CFG.replace(scan_layers=scan), rngs=nnx.Rngs(0)), rank=4, alpha=8.0,
+                                top_layers=1))
+    tokens = TOKENS.at[:, :3].set(TOKENS[0, :3])  # a prompt both rows share
+    lower = frozen_rows_residual(model, tokens, shared_prefix_len=prefix_len)
+    assert lower.shape == (2, 8 - prefix_len, CFG.hidden_size)
+    graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(adapters, lower):
+        logp, ent, hidden = sequence_logprobs(nnx.merge(graphdef, adapters, base), tokens, chunk_size=4,
+                                              shared_prefix_len=prefix_len, lower=lower)
+        return jnp.sum(logp * jnp.arange(8)) + jnp.sum(ent), hidden
+
+    (v_whole, h_whole), g_whole = jax.value_and_grad(loss, has_aux=True)(adapters, None)
+    (v_above, h_above), g_above = jax.value_and_grad(loss, has_aux=True)(adapters, lower)
+    assert v_above == pytest.approx(float(v_whole), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(h_above), np.asarray(h_whole), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_above)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="lower must be"):
+        model.hidden(tokens, positions_for(tokens), lower=lower[:, :2])
+
+
+def test_update_keeping_the_frozen_residual_equals_the_whole_model_update():
+    """The loss pass started from the scoring pass's residual after the frozen layers: the same update
+    (parameters, losses) as running the whole model again, on per-turn rows after a shared prompt."""
+    from tests.starpo.test_update import GROUP_SIZE, MODEL_CFG, two_turn_traj
+
+    traj = two_turn_traj(73, context_window=1)
+    results = []
+    for keep in (False, True):
+        policy = add_lora(Decoder(dataclasses.replace(MODEL_CFG, num_layers=3), rngs=nnx.Rngs(0)), rank=4,
+                          alpha=8.0, top_layers=1)
+        policy = _perturbed(policy, scale=0.5)
+        # Adam with a large epsilon is a plain gradient step: parameters compare the gradients linearly.
+        cfg = StarPOConfig(adv_estimator="grpo", mini_batch_size=8, micro_batch_size=4, actor_lr=1.0,
+                           adam_eps=10.0, weight_decay=0.0, grad_clip=1e6, logprob_chunk_size=8,
+                           keep_frozen_residual=keep)
+        graphdefs, state = U.init_train_state(policy, cfg, key=jax.random.key(0))
+        update = U.make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
+                                    trajectory_enabled=False), group_size=GROUP_SIZE, donate=False,
+                                    shared_prefix_len=2, per_turn_rows=(2, 16), reply_tokens=8)
+        results.append(update(state, traj))
+    (s_whole, m_whole), (s_kept, m_kept) = results
+    assert float(m_kept["train/optimizer_steps"]) == 2
+    for a, b in zip(jax.tree.leaves(s_whole.params), jax.tree.leaves(s_kept.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params),
+                                                           jax.tree.leaves(s_kept.params))) > 1e-3
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        np.testing.assert_allclose(float(m_kept[key]), float(m_whole[key]), rtol=1e-5, atol=1e-7)

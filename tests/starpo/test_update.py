@@ -633,3 +633,24 @@ def test_rollout_rejection_is_exact_under_micro_batching():
     assert tree_max_abs_diff(s_full.params, s_micro.params) < 1e-5
     np.testing.assert_allclose(float(m_full["actor/pg_loss"]), float(m_micro["actor/pg_loss"]), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(float(m_full["actor/ppo_kl"]), float(m_micro["actor/ppo_kl"]), rtol=1e-4, atol=1e-7)
+
+
+def test_loss_token_logprobs_give_the_every_position_update():
+    """``starpo.logprobs_at='loss_tokens'`` (the default, given the reply budget ``reply_tokens``) runs the
+    LM head at the loss tokens only: the same parameters and metrics as scoring every position, on whole
+    transcripts (budget × turns a row) and on per-turn rows (one reply a row); a budget the replies
+    overflow is reported, not silent."""
+    traj = two_turn_traj(72, context_window=1)
+    longest_reply = int(np.max(np.sum(np.asarray(traj.loss_mask) & (np.asarray(traj.turn_ids) == 1), axis=1)))
+    for rows in (None, (2, 16)):
+        (s_all, m_all), (s_loss, m_loss) = first_updates(
+            traj, [dict(per_turn_rows=rows, shared_prefix_len=2),
+                   dict(per_turn_rows=rows, shared_prefix_len=2, reply_tokens=8)])
+        assert "actor/unscored_loss_tokens" not in m_all
+        assert float(m_loss["actor/unscored_loss_tokens"]) == 0.0
+        assert tree_max_abs_diff(s_all.params, s_loss.params) < 1e-6
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/sampler_logprob_abs_diff_mean"):
+            np.testing.assert_allclose(float(m_all[key]), float(m_loss[key]), rtol=1e-5, atol=1e-7)
+    (_, m_short), = first_updates(traj, [dict(per_turn_rows=(2, 16), shared_prefix_len=2,
+                                              reply_tokens=longest_reply - 1)])
+    assert float(m_short["actor/unscored_loss_tokens"]) >= 1.0
