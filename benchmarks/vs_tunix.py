@@ -17,8 +17,10 @@ Compilation is excluded (warm-up calls first); every time is the best of ``--rep
   token-mean, clip 0.2, no KL, no entropy term, global-norm clip 1, AdamW). Tunix: the actor train step
   its GRPO learner runs (``tunix.rl.trainer.Trainer`` with ``algo_core.grpo_loss_fn``, its advantages
   from ``algo_core.compute_advantages``). Ours: ``make_update_step`` on the same rows as a one-turn
-  ``Trajectory`` (it also recomputes the old log-probs, a forward pass Tunix skips when
-  ``num_iterations=1``). Loss, gradient norm and entropy must agree.
+  ``Trajectory``, as the trainer builds it: one pass (the old log-probs are the loss pass's own,
+  ``update.is_single_pass``, as Tunix with ``num_iterations=1``) and the LM head at the completion
+  tokens only (``starpo.logprobs_at='loss_tokens'`` with the completion length as the reply budget).
+  Loss, gradient norm and entropy must agree.
 * **Multi-turn rollout**: FrozenLake (deterministic moves), 5 turns, ``--episodes`` episodes in groups of
   4, ``--turn-tokens`` new tokens per turn, greedy, full conversation history. Ours: ``make_rollout``,
   the whole episode loop on device. Tunix: its agentic loop — ``TrajectoryCollectEngine.collect_multiple``
@@ -349,7 +351,7 @@ def bench_update(args, hf, directory, tok) -> dict:
     graphdefs, state = init_train_state(policy, cfg, key=jax.random.key(0))
     update = make_update_step(graphdefs, cfg, FilterConfig(), CollapseConfig(first_turn_enabled=False,
                                                                               trajectory_enabled=False),
-                              group_size=GROUP_SIZE, donate=False)
+                              group_size=GROUP_SIZE, donate=False, reply_tokens=args.update_completion_len)
     traj = one_turn_trajectory(prompt, plen, comp, clen, rewards, pad, GROUP_SIZE)
     t_ours, (_, metrics) = best_of(lambda: update(state, traj), args.repeats)
     o_loss, o_norm, o_ent = (float(metrics[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"))

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from ragen_jax.models.config import LORA_TARGETS
-from ragen_jax.models.decoder import Decoder
+from ragen_jax.models.decoder import Decoder, folded_kernel
 from ragen_jax.models.loading import _table_entry
 
 
@@ -82,8 +82,7 @@ def merge_lora(model: Decoder) -> Decoder:
         if path[-1] == "kernel" and path[:-1] + ("lora", "lora_a") in flat:
             a = flat[path[:-1] + ("lora", "lora_a")].value
             b = flat[path[:-1] + ("lora", "lora_b")].value
-            delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32)) * scale
-            value = (value.astype(jnp.float32) + delta).astype(value.dtype)
+            value = folded_kernel(value, a, b, scale)
         var.value = value
     return nnx.merge(graphdef, state)
 

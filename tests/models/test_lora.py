@@ -127,3 +127,21 @@ def test_trainer_run_keeps_adapter_only_checkpoints_and_resumes(tmp_path):
     tokens = jnp.asarray([[5, 9, 12, 40, 7]])
     np.testing.assert_allclose(np.asarray(exported(tokens, positions_for(tokens))[0]),
                                np.asarray(trained(tokens, positions_for(tokens))[0]), atol=1e-4)
+
+
+def test_lora_branch_gradients_equal_autodiff_of_the_plain_product():
+    """``decoder.lora_delta`` has its own backward rule (row-major products for XLA's fast CPU path):
+    its gradients for x, A and B equal autodiff's of ``(x @ A) @ B`` (fixed seed)."""
+    from ragen_jax.models.decoder import lora_delta
+
+    keys = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(keys[0], (3, 5, 12))
+    a = jax.random.normal(keys[1], (12, 4))
+    b = jax.random.normal(keys[2], (4, 9))
+    g = jax.random.normal(keys[3], (3, 5, 9))
+    plain = jax.grad(lambda x, a, b: jnp.sum(((x @ a) @ b) * g), argnums=(0, 1, 2))(x, a, b)
+    ours = jax.grad(lambda x, a, b: jnp.sum(lora_delta(x, a, b) * g), argnums=(0, 1, 2))(x, a, b)
+    np.testing.assert_allclose(np.asarray(lora_delta(x, a, b)), np.asarray((x @ a) @ b), rtol=1e-6, atol=1e-6)
+    for p, o in zip(plain, ours):
+        assert p.shape == o.shape
+        np.testing.assert_allclose(np.asarray(o), np.asarray(p), rtol=1e-5, atol=1e-5)
