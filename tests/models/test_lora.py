@@ -145,3 +145,30 @@ def test_lora_branch_gradients_equal_autodiff_of_the_plain_product():
     for p, o in zip(plain, ours):
         assert p.shape == o.shape
         np.testing.assert_allclose(np.asarray(o), np.asarray(p), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_projection_gradients_equal_autodiff_of_the_plain_product(out_dtype):
+    """``decoder.projection`` (every dense layer's product) has its own backward rule: its gradients
+    for x and the kernel equal autodiff's of ``lax.dot_general`` — float32, and bfloat16 operands with
+    a float32 product (``model.matmul_dtype``), within bfloat16's rounding of the operands (fixed seed)."""
+    from ragen_jax.models.decoder import projection
+
+    keys = jax.random.split(jax.random.key(8), 3)
+    dtype = jnp.float32 if out_dtype is None else jnp.bfloat16
+    x = jax.random.normal(keys[0], (3, 5, 12)).astype(dtype)
+    w = jax.random.normal(keys[1], (12, 9)).astype(dtype)
+    g = jax.random.normal(keys[2], (3, 5, 9))
+
+    def plain(x, w):
+        y = jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())), preferred_element_type=out_dtype)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    def ours(x, w):
+        return jnp.sum(projection(x, w, out_dtype).astype(jnp.float32) * g)
+
+    np.testing.assert_allclose(float(ours(x, w)), float(plain(x, w)), rtol=1e-6)
+    tol = 1e-5 if out_dtype is None else 2e-2
+    for p, o in zip(jax.grad(plain, argnums=(0, 1))(x, w), jax.grad(ours, argnums=(0, 1))(x, w)):
+        assert p.shape == o.shape and p.dtype == o.dtype
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(p, np.float32), rtol=tol, atol=tol)
