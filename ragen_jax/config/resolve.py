@@ -25,7 +25,7 @@ from ragen_jax.config.sections import (TOP_LEVEL_KEYS, EvalConfig, LoggingConfig
                                        RolloutConfig, TrainerConfig, WarmupConfig)
 from ragen_jax.config.starpo import CollapseConfig, FilterConfig, StarPOConfig
 from ragen_jax.models.presets import PRESETS
-from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS
+from ragen_jax.starpo.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_INPUTS
 
 MODES = ("train", "eval", "export")  # export: the latest checkpoint as an HF model (LoRA merged)
 
@@ -306,9 +306,11 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None
               "have nothing to learn from; use a temperature > 0 (RAGEN: 1.0). Greedy decoding is for "
               "evaluation: eval.temperature=0")
     _warn_off_policy_ratio(rollout, starpo)
-    if starpo.estimator == "remax" and not rollout.greedy_baseline:
-        _fail("starpo.adv_estimator='remax' needs the greedy episode of every group as its baseline; set "
-              "rollout.greedy_baseline=True")
+    for name in ADVANTAGE_ESTIMATORS.get(starpo.estimator).needs:
+        needed = ADVANTAGE_INPUTS.get(name)
+        if needed.rollout_switch and not getattr(rollout, needed.rollout_switch):
+            _fail(f"starpo.adv_estimator={starpo.adv_estimator!r} needs {name}, which the rollout records only with "
+                  f"rollout.{needed.rollout_switch}=True: {needed.missing}")
     if ADVANTAGE_ESTIMATORS.get(starpo.estimator).group_relative and rollout.group_size < 2:
         _fail(f"starpo.adv_estimator={starpo.adv_estimator!r} compares the episodes of a group with each other, and "
               f"rollout.group_size=1 leaves none to compare: every advantage would be 0 or the raw score; set "

@@ -273,10 +273,8 @@ class StarPOConfig(Section):
 
     @property
     def estimator(self) -> str:
-        """The registry name actually run: ``grpo`` without std scaling is Dr. GRPO."""
-        if self.adv_estimator == "grpo" and not self.norm_adv_by_std:
-            return "drgrpo"
-        return self.adv_estimator
+        """The registry name actually run (its entry's ``resolve``: ``grpo`` without std scaling is Dr. GRPO)."""
+        return advantages.resolved_estimator(self)
 
     @property
     def actor_loss_agg_mode(self) -> str:
@@ -389,12 +387,8 @@ class FilterConfig(Section):
         check_int(s, "start_replay_max_uses", self.start_replay_max_uses, 1)
         check_int(s, "start_replay_capacity", self.start_replay_capacity, 1)
         # Settings that would keep no group at all, so every update would be skipped in silence.
-        check(not (self.strategy == "top_p" and self.value <= 0),
-               f"{s}.value={self.value!r} with {s}.strategy='top_p' keeps no group (the kept share of the reward "
-               "spread); use a value in (0, 1] (1.0 keeps every group).")
-        check(not (self.strategy == "min_p" and self.value > 1),
-               f"{s}.value={self.value!r} with {s}.strategy='min_p' keeps no group (it keeps groups whose score is "
-               "at least value x the best one's); use a value in [0, 1].")
+        problem = snr_filter.value_problem(self.strategy, self.value)
+        check(not problem, f"{s}.value={self.value!r} with {s}.strategy={self.strategy!r} {problem}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ragen_jax.starpo.reductions import (WHITEN_EPS, check_group_size, group_mean_std, group_std, group_view,
+                                         masked_mean, masked_whiten)
 from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
 
 # Numerical constants of the original, kept so results are comparable run-for-run.
 SCORE_STD_EPS = 1e-6  # episode-score / GRPO std: (x - mean) / (std + 1e-6)
-WHITEN_EPS = 1e-8  # batch whitening: (A - mean) / sqrt(var + 1e-8)
 LENGTH_WEIGHT_EPS = 1e-6
 
 
@@ -59,55 +60,6 @@ def align_to_targets(per_position: Array) -> Array:
     """
     pad = jnp.zeros_like(per_position[:, :1])
     return jnp.concatenate([pad, per_position[:, :-1]], axis=1)
-
-
-def masked_mean(x: Array, mask: Array) -> Array:
-    """Scalar mean of ``x`` over ``mask`` (any shape; bool, or float weights); 0 when the mask is
-    empty. Masked-out entries never reach the sum, so a NaN or inf there cannot leak in. The one
-    masked mean of ``starpo`` (losses and collapse diagnostics use it too)."""
-    m = mask.astype(jnp.result_type(x.dtype, jnp.float32))
-    return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
-def masked_whiten(x: Array, mask: Array, eps: float = WHITEN_EPS) -> Array:
-    """``(x - mean_m) / sqrt(var_m + eps)`` with the Bessel-corrected (unbiased) masked variance.
-
-    Statistics use only masked entries; the output is zeroed outside the mask. With fewer than two
-    masked entries the variance is taken as 0 (the correction factor is undefined there).
-    """
-    m = mask.astype(x.dtype)
-    n = jnp.sum(m)
-    mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
-    var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - 1.0, 1.0)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * m
-
-
-def _check_group_size(batch: int, group_size: int) -> int:
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}.")
-    if batch % group_size:
-        raise ValueError(
-            f"Batch of {batch} rows is not a whole number of groups of group_size={group_size}; "
-            "rows must be num_groups contiguous blocks of group_size."
-        )
-    return batch // group_size
-
-
-def group_view(x: Array, group_size: int) -> Array:
-    """``[B, ...]`` -> ``[num_groups, group_size, ...]`` (contiguous-block group layout)."""
-    num_groups = _check_group_size(x.shape[0], group_size)
-    return x.reshape((num_groups, group_size) + x.shape[1:])
-
-
-def group_mean_std(scores: Array, group_size: int) -> tuple[Array, Array]:
-    """Per-group mean and unbiased (ddof 1) std of ``scores [B]``, each ``[num_groups]``.
-
-    Size-1 groups get mean 0 and std 1 (so a lone sample keeps its raw score), as in RAGEN's GRPO.
-    """
-    g = group_view(scores, group_size)
-    if group_size == 1:
-        return jnp.zeros(g.shape[0], scores.dtype), jnp.ones(g.shape[0], scores.dtype)
-    return jnp.mean(g, axis=1), jnp.std(g, axis=1, ddof=1)
 
 
 def episode_scores(token_rewards: Array) -> Array:
@@ -153,7 +105,7 @@ def _mean_norm(scores: Array, group_size: int) -> Array:
 def _mean_std_norm(scores: Array, group_size: int) -> Array:
     g = group_view(scores, group_size)
     mean = jnp.mean(g, axis=1, keepdims=True)
-    std = jnp.std(g, axis=1, ddof=1, keepdims=True)
+    std = group_std(g)[:, None]
     # A group whose members all scored the same carries no ranking signal: zeros, not 0/eps noise.
     out = jnp.where(std <= SCORE_STD_EPS, 0.0, (g - mean) / (std + SCORE_STD_EPS))
     return out.reshape(scores.shape).astype(scores.dtype)
@@ -180,7 +132,7 @@ def normalize_scores(scores: Array, *, method: str, group_size: int, grouping: s
     fn = REWARD_NORMALIZATIONS.get(method)
     REWARD_GROUPINGS.validate(grouping)
     size = scores.shape[0] if grouping == "batch" else group_size
-    _check_group_size(scores.shape[0], size)
+    check_group_size(scores.shape[0], size)
     if size == 1:
         return scores
     return fn(scores, size)
@@ -191,18 +143,28 @@ def normalize_scores(scores: Array, *, method: str, group_size: int, grouping: s
 # ---------------------------------------------------------------------------------------------
 
 
+def _no_settings(cfg) -> dict:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator.
+    """A registered estimator: the function and everything the update needs to know to call it.
 
     ``fn(token_rewards, values, loss_mask, turn_ids, *, group_size, gamma, lam, high_level_gamma)
     -> (advantages [B, L], returns [B, L])``, both zero outside ``loss_mask``, *before* whitening.
     Every estimator takes the same keywords and ignores those it does not use.
     ``uses_critic``: needs ``values`` (and a value loss). ``whiten_default``: batch-whitened unless
     the caller overrides (True for GAE-family estimators, False for GRPO-family, as in the original).
-    ``needs``: the extra inputs (keywords of ``compute_advantages``' ``extras``) the estimator reads
-    beyond the token rewards: ``turn_rewards`` / ``turn_mask`` / ``anchor_ids`` (GiGPO's per-turn
-    rewards and anchor states), ``reward_baselines`` (ReMax's greedy-rollout returns).
+    ``needs``: the extra inputs it reads beyond the token rewards, each a name in ``ADVANTAGE_INPUTS``
+    (``turn_rewards`` / ``turn_mask`` / ``anchor_ids`` for GiGPO's per-turn rewards and anchor
+    states, ``reward_baselines`` for ReMax's greedy-rollout returns); the update builds exactly
+    these from the batch, so an estimator with a new input registers the input beside it.
+    ``settings(starpo_cfg) -> dict``: its keyword settings from the StarPO config.
+    ``diagnostics(inputs, kept [B], group_size) -> {metric name: scalar}``: what it reports about
+    its inputs (``inputs`` as built for ``needs``; ``kept`` the rows the SNR filter kept).
+    ``resolve(starpo_cfg) -> name``: the registry name a configuration of this one actually runs
+    (``grpo`` without std scaling is ``drgrpo``); ``None`` = itself.
     """
 
     fn: Callable[..., tuple[Array, Array]]
@@ -210,6 +172,45 @@ class AdvantageEstimator:
     whiten_default: bool
     needs: tuple[str, ...] = ()
     group_relative: bool = False  # its baseline is the other episodes of the group: needs group_size >= 2
+    settings: Callable[[object], dict] = _no_settings
+    diagnostics: Optional[Callable[[dict, Array, int], dict]] = None
+    resolve: Optional[Callable[[object], str]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageInput:
+    """Something an estimator reads beyond the token rewards, built by the update from the batch.
+
+    ``build(starpo_cfg, trajectory, group_size) -> Array | None`` (None: the rollout did not record it).
+    ``rollout_switch``: the ``rollout`` setting that must be True for the rollout to record it
+    (checked when the configuration is resolved); ``missing``: how to get it, for the error.
+    ``host_callback(starpo_cfg) -> str``: non-empty (the setting that does it, and why) when this
+    configuration builds it in a host callback, which sees one process's rows only (the update
+    refuses to run such a build across processes).
+    """
+
+    build: Callable[[object, object, int], Optional[Array]]
+    rollout_switch: Optional[str] = None
+    missing: str = ""
+    host_callback: Callable[[object], str] = lambda cfg: ""
+
+
+ADVANTAGE_INPUTS: Registry[AdvantageInput] = Registry("advantage input")
+
+
+def resolved_estimator(starpo_cfg) -> str:
+    """The registry name ``starpo_cfg.adv_estimator`` runs as (``AdvantageEstimator.resolve``)."""
+    est = ADVANTAGE_ESTIMATORS.get(starpo_cfg.adv_estimator)
+    return est.resolve(starpo_cfg) if est.resolve is not None else starpo_cfg.adv_estimator
+
+
+def estimator_inputs(starpo_cfg, trajectory, group_size: int) -> dict:
+    """What the configured estimator reads beyond the token rewards (its ``needs``, built from the
+    batch) and its settings; inputs the trajectory lacks are left out (``compute_advantages`` names
+    what is missing)."""
+    est = ADVANTAGE_ESTIMATORS.get(resolved_estimator(starpo_cfg))
+    inputs = {name: ADVANTAGE_INPUTS.get(name).build(starpo_cfg, trajectory, group_size) for name in est.needs}
+    return {**inputs, **est.settings(starpo_cfg)}
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -499,7 +500,7 @@ def grpo_passk(token_rewards, values, loss_mask, turn_ids=None, *, group_size, n
     top2 = jax.lax.top_k(g, 2)[0]
     gap = top2[:, 0] - top2[:, 1]
     if norm_adv_by_std:
-        gap = gap / (jnp.std(g, axis=1, ddof=1) + SCORE_STD_EPS)
+        gap = gap / (group_std(g) + SCORE_STD_EPS)
     per_row = jnp.where(jnp.arange(group_size)[None] == best[:, None], gap[:, None], 0.0).reshape(-1)
     return _broadcast(per_row.astype(scores.dtype), loss_mask)
 
@@ -525,7 +526,7 @@ def turn_returns(turn_rewards: Array, turn_mask: Array, gamma: float) -> Array:
 def _anchor_groups(anchor_ids: Array, turn_mask: Array, group_size: int) -> tuple[Array, Array]:
     """``same [G, N, N]`` (turns ``n``, ``n'`` of one episode group share an anchor state; ``N =
     group_size * T``, row-major over (episode, turn)) and ``valid [G, N]`` (the turn took place)."""
-    num_groups = _check_group_size(anchor_ids.shape[0], group_size)
+    num_groups = check_group_size(anchor_ids.shape[0], group_size)
     ids = anchor_ids.reshape(num_groups, -1)
     valid = turn_mask.astype(bool).reshape(num_groups, -1)
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
@@ -576,7 +577,7 @@ def similar_observation_groups(observations: Array, lengths: Array, turn_mask: A
     if observations is None or lengths is None:
         raise ValueError("GiGPO's similarity grouping compares the observations each turn saw "
                          "(Trajectory.turn_observation); this trajectory does not record them")
-    _check_group_size(turn_mask.shape[0], group_size)
+    check_group_size(turn_mask.shape[0], group_size)
     shape = jax.ShapeDtypeStruct(turn_mask.shape, jnp.int32)
     return jax.pure_callback(
         lambda o, n, m: cluster_similar_observations(o, n, m, group_size, float(threshold)).astype(np.int32),
@@ -665,24 +666,62 @@ def gigpo(token_rewards, values, loss_mask, turn_ids, *, group_size, turn_reward
     return adv, adv
 
 
+def _anchor_ids(cfg, traj, group_size: int):
+    """GiGPO's anchor states ``[B, T]``: the observation hashes (identical observations group), or with
+    ``gigpo_enable_similarity`` verl-agent's clusters of similar observations."""
+    if cfg.gigpo_enable_similarity:
+        return similar_observation_groups(traj.turn_observation, traj.turn_observation_len, traj.turn_mask,
+                                          group_size, cfg.gigpo_similarity_thresh)
+    return traj.turn_state_hash
+
+
+for _name, _input in (
+    ("turn_rewards", AdvantageInput(lambda cfg, traj, g: traj.turn_rewards)),
+    ("turn_mask", AdvantageInput(lambda cfg, traj, g: traj.turn_mask)),
+    ("anchor_ids", AdvantageInput(_anchor_ids, missing="the rollout records anchor states in "
+                                  "Trajectory.turn_state_hash.",
+                                  host_callback=lambda cfg: "starpo.gigpo_enable_similarity clusters observations"
+                                  if cfg.gigpo_enable_similarity else "")),
+    ("reward_baselines", AdvantageInput(lambda cfg, traj, g: traj.reward_baseline, rollout_switch="greedy_baseline",
+                                        missing="set rollout.greedy_baseline=True so the rollout measures "
+                                        "the greedy episode of every group.")),
+):
+    ADVANTAGE_INPUTS.add(_name, _input)
+
+
+def _gigpo_diagnostics(inputs: dict, kept: Array, group_size: int) -> dict:
+    stats = anchor_group_stats(inputs["anchor_ids"], inputs["turn_mask"] & kept[:, None], group_size)
+    return {"critic/gigpo_shared_turn_fraction": stats["shared_turn_fraction"],
+            "critic/gigpo_anchor_group_size": stats["mean_group_size"]}
+
+
+def _remax_diagnostics(inputs: dict, kept: Array, group_size: int) -> dict:
+    return {"critic/remax_baseline_mean": jnp.mean(inputs["reward_baselines"])}
+
+
 _CRITIC = dict(uses_critic=True, whiten_default=True)
 _WHITENED = dict(uses_critic=False, whiten_default=True)
 _GROUP = dict(uses_critic=False, whiten_default=False, group_relative=True)
 for _name, _est in (
     ("gae", AdvantageEstimator(gae, **_CRITIC)),
     ("bilevel_gae", AdvantageEstimator(bilevel_gae, **_CRITIC)),
-    ("grpo", AdvantageEstimator(grpo, **_GROUP)),
+    ("grpo", AdvantageEstimator(grpo, **_GROUP, resolve=lambda cfg: "grpo" if cfg.norm_adv_by_std else "drgrpo")),
     ("drgrpo", AdvantageEstimator(drgrpo, **_GROUP)),
     ("rloo", AdvantageEstimator(rloo, **_GROUP)),
-    ("gigpo", AdvantageEstimator(gigpo, **_GROUP, needs=("turn_rewards", "turn_mask", "anchor_ids"))),
+    ("gigpo", AdvantageEstimator(gigpo, **_GROUP, needs=("turn_rewards", "turn_mask", "anchor_ids"),
+                                 settings=lambda cfg: {"step_weight": cfg.gigpo_step_weight,
+                                                       "step_gamma": cfg.gigpo_gamma, "step_norm": cfg.gigpo_norm},
+                                 diagnostics=_gigpo_diagnostics)),
     ("reinforce_plus_plus", AdvantageEstimator(reinforce_plus_plus, **_WHITENED)),
     ("reinforce_plus_plus_multiturn", AdvantageEstimator(reinforce_plus_plus_multiturn, **_WHITENED)),
     ("reinforce_plus_plus_baseline", AdvantageEstimator(reinforce_plus_plus_baseline, **_WHITENED,
                                                         group_relative=True)),
-    ("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False, needs=("reward_baselines",))),
+    ("remax", AdvantageEstimator(remax, uses_critic=False, whiten_default=False, needs=("reward_baselines",),
+                                 diagnostics=_remax_diagnostics)),
     ("opo", AdvantageEstimator(opo, **_GROUP)),
     ("gpg", AdvantageEstimator(gpg, **_GROUP)),
-    ("grpo_passk", AdvantageEstimator(grpo_passk, **_GROUP)),
+    ("grpo_passk", AdvantageEstimator(grpo_passk, **_GROUP,
+                                      settings=lambda cfg: {"norm_adv_by_std": cfg.norm_adv_by_std})),
 ):
     ADVANTAGE_ESTIMATORS.add(_name, _est)
 
@@ -753,15 +792,13 @@ def compute_advantages(
         )
     if turn_ids is not None and turn_ids.shape != loss_mask.shape:
         raise ValueError(f"turn_ids {turn_ids.shape} must be [B, L] like loss_mask {loss_mask.shape}.")
-    _check_group_size(loss_mask.shape[0], group_size)
+    check_group_size(loss_mask.shape[0], group_size)
     extras = {k: v for k, v in (extras or {}).items() if v is not None}
     missing = [k for k in est.needs if k not in extras]
     if missing:
+        hints = " ".join(ADVANTAGE_INPUTS.get(k).missing for k in missing if k in ADVANTAGE_INPUTS)
         raise ValueError(f"Advantage estimator {estimator!r} needs {', '.join(missing)} (pass them in extras); "
-                         + ("the rollout records anchor states in Trajectory.turn_state_hash."
-                            if "anchor_ids" in missing else
-                            "set rollout.greedy_baseline=True so the rollout measures them."
-                            if "reward_baselines" in missing else ""))
+                         + hints)
     adv, returns = est.fn(
         token_rewards, values, loss_mask, turn_ids,
         group_size=group_size, gamma=gamma, lam=lam, high_level_gamma=high_level_gamma, **extras,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ragen_jax.rollout.trajectory import Trajectory
-from ragen_jax.starpo.advantages import masked_mean
+from ragen_jax.starpo.reductions import masked_mean
 
 # Regime codes (see ``classify_regime``).
 REGIME_BASELINE = -1  # baseline still being measured

@@ -33,7 +33,7 @@ from flax import nnx
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
 from ragen_jax.starpo import advantages as adv_lib
-from ragen_jax.starpo import losses
+from ragen_jax.starpo import losses, reductions
 from ragen_jax.starpo import update as upd
 from ragen_jax.starpo.logprobs import sequence_logprobs
 from ragen_jax.starpo.registry import Registry
@@ -151,8 +151,7 @@ def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
         old = upd.score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, shared_prefix_len)
         filt = upd.filter_groups(filter_cfg, traj, old, loss_mask, group_size)
         scores = adv_lib.episode_scores(traj.token_rewards)
-        group_std = jnp.std(adv_lib.group_view(scores, group_size), axis=1, ddof=1) if group_size > 1 else \
-            jnp.zeros(batch, jnp.float32)
+        group_std = reductions.group_std(reductions.group_view(scores, group_size))
         metrics = {}
         keep_all = filt.replace(row_weights=jnp.ones_like(filt.row_weights), kept_ratio=jnp.ones_like(filt.kept_ratio))
         for prefix, f, considered in (("grad_norm_prefilter", keep_all, jnp.ones_like(group_std, bool)),

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from ragen_jax.starpo.advantages import masked_mean
+from ragen_jax.starpo.reductions import masked_mean, masked_row_mean
 from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
@@ -152,6 +152,12 @@ def aggregate_mean(x: Array, mask: Array, mode: str, row_weights: Optional[Array
 
 PolicyLossFn = Callable[..., tuple[Array, dict]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+# A registered loss declares what it needs beyond the common inputs as attributes of the function,
+# and the update asks these, never a loss's name:
+#   ``aggregation``: a sequence-level loss's own aggregation mode (``loss_aggregation``);
+#   ``uses_noise``: it reads ``noise``, uniform [B, L] drawn from the update's key (``needs_noise``);
+#   ``batch_statistics(hparams) -> bool``: under these settings it reads statistics of the whole
+#     mini-batch under the current policy (``needs_batch_statistics``).
 
 
 @POLICY_LOSSES.register("ppo", "vanilla")
@@ -200,12 +206,6 @@ def _ratio_metrics(log_ratio, mask, clipfrac=None, clipfrac_lower=None):
             "ppo_kl": masked_mean(-log_ratio, mask)}
 
 
-def _row_mean(x, mask):
-    """Per-row token mean ``[B]`` over ``mask`` (0 for an empty row)."""
-    m = mask.astype(jnp.float32)
-    return jnp.sum(jnp.where(m > 0, x, 0.0), axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-
-
 def sequence_level(fn):
     """Marks a policy loss whose objective is a mean over sequences: whatever ``starpo.loss_agg_mode``
     says, its terms are aggregated ``seq-mean-token-mean`` (verl fixes the aggregation of GSPO and
@@ -231,7 +231,7 @@ def gspo_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, clip
     _check_shapes("gspo_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask)
     mask = loss_mask.astype(bool)
     log_ratio = logp - old_logp
-    seq_log_ratio = _row_mean(log_ratio, mask)
+    seq_log_ratio = masked_row_mean(log_ratio, mask)
     log_s = jnp.minimum(logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)[:, None], 10.0)
     ratio = jnp.exp(log_s)
     l1 = -advantages * ratio
@@ -284,6 +284,9 @@ def clip_cov_loss(logp, old_logp, advantages, loss_mask, *, clip_ratio_low=0.2, 
     cut = candidate & (rank.reshape(mask.shape) < n_clip)
     loss = jnp.where(cut, 0.0, jnp.maximum(l1, l2))
     return jnp.where(mask, loss, 0.0), _ratio_metrics(log_ratio, mask, clipfrac=cut)
+
+
+clip_cov_loss.uses_noise = True
 
 
 @POLICY_LOSSES.register("kl_cov")
@@ -400,11 +403,21 @@ def rollout_correction_terms(logp, old_logp, loss_mask, *, rollout_is="token", r
 
 def needs_batch_statistics(policy_loss_name: str, hparams: dict) -> bool:
     """True when the policy loss depends on statistics of the whole (mini-)batch under the current
-    policy — rollout correction's rejection, veto and weight normalisation: the update then measures
-    them in a forward pass over the mini-batch before its gradient pass (exact under micro-batching)."""
-    return policy_loss_name == "rollout_correction" and (
-        hparams.get("rollout_rs", "none") != "none" or hparams.get("rollout_token_veto_threshold", 0.0) > 0
-        or bool(hparams.get("rollout_is_batch_normalize", False)))
+    policy (its ``batch_statistics`` says so; e.g. rollout correction's rejection, veto and weight
+    normalisation): the update then measures them in a forward pass over the mini-batch before its
+    gradient pass (exact under micro-batching)."""
+    test = getattr(POLICY_LOSSES.get(policy_loss_name), "batch_statistics", None)
+    return bool(test is not None and test(hparams))
+
+
+def needs_noise(policy_loss_name: str) -> bool:
+    """True when the policy loss reads ``noise`` (uniform ``[B, L]`` from the update's key)."""
+    return bool(getattr(POLICY_LOSSES.get(policy_loss_name), "uses_noise", False))
+
+
+def _rollout_correction_batch_statistics(hparams: dict) -> bool:
+    return (hparams.get("rollout_rs", "none") != "none" or hparams.get("rollout_token_veto_threshold", 0.0) > 0
+            or bool(hparams.get("rollout_is_batch_normalize", False)))
 
 
 @POLICY_LOSSES.register("rollout_correction")
@@ -450,6 +463,9 @@ def rollout_correction_loss(logp, old_logp, advantages, loss_mask, *, rollout_is
     metrics["kept_mask"] = kept
     metrics["kept_count"] = jnp.sum(kept).astype(jnp.float32)
     return loss, metrics
+
+
+rollout_correction_loss.batch_statistics = _rollout_correction_batch_statistics
 
 
 def policy_loss(name: str, logp, old_logp, advantages, loss_mask, **hparams):

@@ -58,6 +58,11 @@ class Registry(Generic[T]):
         self.get(name)
         return name
 
+    def remove(self, name: str) -> T:
+        """Unregisters ``name`` and returns its object (a test that registers its own entry cleans up)."""
+        self.get(name)
+        return self._entries.pop(name)
+
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ragen_jax.starpo.reductions import group_std, masked_row_mean
 from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
@@ -49,26 +50,18 @@ class GroupScore:
     reduce: Callable[[Array], Array]
 
 
-def _group_std(x: Array) -> Array:
-    # ddof 1 like torch.std; a group of one has no spread (defined as 0 rather than NaN).
-    if x.shape[1] < 2:
-        return jnp.zeros(x.shape[0], x.dtype)
-    return jnp.std(x, axis=1, ddof=1)
-
-
 GROUP_SCORES: Registry[GroupScore] = Registry("filter group score")
-GROUP_SCORES.register("reward_variance", "reward_std")(GroupScore("reward", _group_std))
+GROUP_SCORES.register("reward_variance", "reward_std")(GroupScore("reward", group_std))
 GROUP_SCORES.register("reward")(GroupScore("reward", lambda x: jnp.mean(x, axis=1)))
 GROUP_SCORES.register("reward_sum")(GroupScore("reward", lambda x: jnp.sum(x, axis=1)))
 GROUP_SCORES.register("length")(GroupScore("length", lambda x: jnp.mean(x, axis=1)))
 GROUP_SCORES.register("entropy")(GroupScore("entropy", lambda x: jnp.mean(x, axis=1)))
-GROUP_SCORES.register("entropy_variance", "entropy_std")(GroupScore("entropy", _group_std))
+GROUP_SCORES.register("entropy_variance", "entropy_std")(GroupScore("entropy", group_std))
 
 
 def row_mean_entropy(token_entropy: Array, loss_mask: Array) -> Array:
     """Per-row mean token entropy over the sampled tokens: ``[B, L]`` -> ``[B]`` (0 for empty rows)."""
-    m = loss_mask.astype(jnp.float32)
-    return jnp.sum(token_entropy * m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    return masked_row_mean(token_entropy, loss_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +70,9 @@ def row_mean_entropy(token_entropy: Array, loss_mask: Array) -> Array:
 
 StrategyFn = Callable[..., Array]
 FILTER_STRATEGIES: Registry[StrategyFn] = Registry("filter strategy")
+# A strategy may carry ``keeps_nothing(value) -> str``: non-empty (why, and the range to use) when
+# ``filter.value`` would keep no group at all, so every update would be skipped in silence; the
+# configuration asks it (``value_problem``) and fails with that message.
 FILTER_TYPES = Registry("filter type")
 FILTER_TYPES.add("largest", "largest")
 FILTER_TYPES.add("smallest", "smallest")
@@ -145,6 +141,10 @@ def top_p(scores, eligible, *, value, largest=True, top_p_mode="linear", selecti
     return jnp.where(value >= 1.0, eligible.astype(jnp.float32), kept)
 
 
+top_p.keeps_nothing = lambda value: ("keeps no group (the kept share of the reward spread); use a value in "
+                                     "(0, 1] (1.0 keeps every group)") if value <= 0 else ""
+
+
 def _int_floor(x: Scalar) -> Array:
     # Python numbers follow int() exactly; traced values get a tolerance so 0.7 * 10 is 7, not 6.
     if isinstance(x, (int, float)):
@@ -179,6 +179,16 @@ def min_p(scores, eligible, *, value, largest=True, top_p_mode="linear", selecti
         best = jnp.min(jnp.where(eligible, scores, jnp.inf))
         keep = scores <= best / (value + MIN_P_TOL) + MIN_P_TOL
     return (keep & eligible).astype(jnp.float32)
+
+
+min_p.keeps_nothing = lambda value: ("keeps no group (it keeps groups whose score is at least value x the best "
+                                     "one's); use a value in [0, 1]") if value > 1 else ""
+
+
+def value_problem(strategy: str, value: float) -> str:
+    """Why ``filter.value`` keeps no group under ``strategy`` ("" when it can keep some)."""
+    test = getattr(FILTER_STRATEGIES.get(strategy), "keeps_nothing", None)
+    return test(value) if test is not None else ""
 
 
 @FILTER_STRATEGIES.register("weighted")
@@ -240,7 +250,7 @@ class FilterResult:
 
 
 def _group_stats(matrix: Array) -> dict[str, Array]:
-    return {"std": _group_std(matrix), "max": jnp.max(matrix, axis=1), "mean": jnp.mean(matrix, axis=1),
+    return {"std": group_std(matrix), "max": jnp.max(matrix, axis=1), "mean": jnp.mean(matrix, axis=1),
             "sum": jnp.sum(matrix, axis=1)}
 
 
@@ -335,7 +345,7 @@ def rollout_filter(
         group_scores=scores,
         row_group_scores=jnp.repeat(scores, group_size),
         reward_std=(None if episode_scores is None else jnp.repeat(
-            _group_std(_group_matrix(episode_scores, "reward", metric, group_size)), group_size)),
+            group_std(_group_matrix(episode_scores, "reward", metric, group_size)), group_size)),
         kept_count=kept_count,
         kept_ratio=kept_ratio,
         is_empty=kept_count == 0,

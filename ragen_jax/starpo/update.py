@@ -29,13 +29,16 @@ Inside that one compiled function, top to bottom:
   7. metrics.
 
 Each stage is a module-level pure function (``score_batch``, ``diagnose_collapse``,
-``filter_groups``, ``estimate_advantages``, ``update_batch`` / ``mini_batches_in_order``,
-``advance_counters``); ``make_update_step``'s ``update`` calls them in this order.
+``apply_filter``, ``estimate_advantages``, ``training_data``, ``train_on_batch`` over
+``make_mini_batch_step``'s optimizer step, ``advance_counters``); ``StarPOUpdate.__call__`` calls
+them in this order, reading the batch layout from an ``UpdatePlan``. ``make_update_step`` checks the
+train state against the configuration, builds a ``StarPOUpdate`` and compiles it.
 
 Models are used functionally: ``nnx.split`` outside, ``nnx.merge(graphdef, params, rest)`` inside.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -49,7 +52,7 @@ from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.starpo import advantages as adv_lib
 from ragen_jax.starpo import collapse as collapse_lib
 from ragen_jax.starpo import losses
-from ragen_jax.starpo import overlong
+from ragen_jax.starpo import overlong, reductions
 from ragen_jax.starpo import snr_filter
 from ragen_jax.starpo.logprobs import (make_logprob_fn, make_prefix_cached_cross_scorer, positions_for,
                                       frozen_rows_residual, score_slots, sequence_logprobs, unscored_count)
@@ -243,19 +246,6 @@ def _rows_in_chunks(fn, arrays: dict, rows_per_chunk: int) -> dict:
     chunked = jax.tree.map(lambda x: x.reshape((n, rows_per_chunk) + x.shape[1:]), arrays)
     out = jax.lax.map(fn, chunked)
     return jax.tree.map(lambda x: x.reshape((batch,) + x.shape[2:]), out)
-
-
-def _masked_stats(x: jax.Array, mask: jax.Array, prefix: str) -> dict:
-    m = mask.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    mean = jnp.sum(x * m) / n
-    has = jnp.sum(m) > 0
-    return {
-        f"{prefix}/mean": mean,
-        f"{prefix}/std": jnp.sqrt(jnp.sum(jnp.square(x - mean) * m) / n),
-        f"{prefix}/max": jnp.where(has, jnp.max(jnp.where(mask, x, -jnp.inf)), 0.0),
-        f"{prefix}/min": jnp.where(has, jnp.min(jnp.where(mask, x, jnp.inf)), 0.0),
-    }
 
 
 def _select(pred: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -534,22 +524,10 @@ def shape_rewards(cfg, traj: Trajectory) -> tuple[Trajectory, dict]:
                   "rollout/overlong_penalised_turns": jnp.sum(penalty < 0) / turns}
 
 
-def anchor_ids(cfg, traj: Trajectory, group_size: int):
-    """GiGPO's anchor states ``[B, T]``: the observation hashes (identical observations group), or with
-    ``gigpo_enable_similarity`` verl-agent's clusters of similar observations."""
-    if cfg.estimator == "gigpo" and cfg.gigpo_enable_similarity:
-        return adv_lib.similar_observation_groups(traj.turn_observation, traj.turn_observation_len, traj.turn_mask,
-                                                  group_size, cfg.gigpo_similarity_thresh)
-    return traj.turn_state_hash
-
-
 def advantage_extras(cfg, traj: Trajectory, group_size: int = 1) -> dict:
-    """What the configured estimator reads beyond token rewards (``AdvantageEstimator.needs``) and the
-    estimator settings; fields the trajectory lacks are left out (the estimator names what is missing)."""
-    return {"turn_rewards": traj.turn_rewards, "turn_mask": traj.turn_mask,
-            "anchor_ids": anchor_ids(cfg, traj, group_size),
-            "reward_baselines": traj.reward_baseline, "step_weight": cfg.gigpo_step_weight,
-            "step_gamma": cfg.gigpo_gamma, "step_norm": cfg.gigpo_norm, "norm_adv_by_std": cfg.norm_adv_by_std}
+    """What the configured estimator reads beyond token rewards and its settings, as its registry
+    entry declares them (``advantages.estimator_inputs``)."""
+    return adv_lib.estimator_inputs(cfg, traj, group_size)
 
 
 def estimate_advantages(cfg, filter_cfg, traj: Trajectory, old: dict, filt,
@@ -578,18 +556,15 @@ def estimate_advantages(cfg, filter_cfg, traj: Trajectory, old: dict, filt,
         cfg.estimator, token_rewards, values, train_mask, traj.turn_ids, group_size=group_size,
         gamma=cfg.gamma, lam=cfg.lam, high_level_gamma=cfg.high_level_gamma, whiten=cfg.whiten,
         grpo_length_weight=cfg.length_weighting, extras=extras)
-    if cfg.estimator == "gigpo":
-        stats = adv_lib.anchor_group_stats(extras["anchor_ids"], traj.turn_mask & kept[:, None], group_size)
-        metrics["critic/gigpo_shared_turn_fraction"] = stats["shared_turn_fraction"]
-        metrics["critic/gigpo_anchor_group_size"] = stats["mean_group_size"]
-    if cfg.estimator == "remax" and traj.reward_baseline is not None:
-        metrics["critic/remax_baseline_mean"] = jnp.mean(traj.reward_baseline)
+    diagnostics = adv_lib.ADVANTAGE_ESTIMATORS.get(cfg.estimator).diagnostics
+    if diagnostics is not None:
+        metrics.update(diagnostics(extras, kept, group_size))
     advantages = advantages * snr_filter.filter_loss_scale(filter_cfg.loss_scaling, filt.kept_ratio)
-    metrics.update(_masked_stats(advantages, train_mask, "critic/advantages"))
-    metrics.update(_masked_stats(returns, train_mask, "critic/returns"))
-    metrics.update(_masked_stats(norm_scores, kept, "critic/score"))
+    metrics.update(reductions.masked_stats(advantages, train_mask, "critic/advantages"))
+    metrics.update(reductions.masked_stats(returns, train_mask, "critic/returns"))
+    metrics.update(reductions.masked_stats(norm_scores, kept, "critic/score"))
     if values is not None:
-        metrics.update(_masked_stats(values, train_mask, "critic/values"))
+        metrics.update(reductions.masked_stats(values, train_mask, "critic/values"))
     return advantages, returns, metrics
 
 
@@ -661,6 +636,297 @@ def advance_counters(state: TrainState, empty: jax.Array, counts: dict, filter_c
     return updates, metrics
 
 
+# ---------------------------------------------------------------------------------------------------
+# One optimizer step: a mini-batch's gradient accumulated over its micro-batches, then AdamW
+
+
+def _mini_batch_statistics(batch_statistics, params, rest, micro: dict):
+    """A batch-dependent policy loss's statistics of the whole mini-batch under the current policy
+    (rejection, the veto and the weights' mean), measured once in a forward pass before the gradient
+    pass uses them. -> ``(micro with kept_mask, pg_den, is_weight_mean)``."""
+    def measure(acc, md):
+        sums, kept_md = batch_statistics(params, rest, md)
+        return jax.tree.map(jnp.add, acc, sums), kept_md
+
+    zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("pg_den", "weight_sum", "weight_count")}
+    sums, kept_masks = jax.lax.scan(measure, zero_sums, micro)
+    return dict(micro, kept_mask=kept_masks), sums["pg_den"], _safe_div(sums["weight_sum"], sums["weight_count"])
+
+
+def _accumulated_gradients(grad_fn, params, c_params, rest, micro: dict, loss_args: tuple, has_tokens, single: bool):
+    """The mini-batch's gradients (policy, critic) and summed loss terms over its micro-batches
+    ``[num_micro, m, ...]``; ``loss_args`` = ``(den, value_den, pg_den, is_weight_mean)``. A mini-batch
+    with no token (filtered-out rows, or a batch the filter emptied) is not run at all: its
+    forward/backward would be thrown away, and with a selective SNR filter that is most of them."""
+    def accumulate(acc, md):
+        (_, aux), grads = grad_fn(params, c_params, rest, md, *loss_args)
+        grads, summed = jax.tree.map(jnp.add, acc, (grads, aux))
+        if single:  # a maximum over the micro-batches, not a sum
+            summed["sampler_diff_max"] = jnp.maximum(acc[1]["sampler_diff_max"], aux["sampler_diff_max"])
+        return (grads, summed), None
+
+    zero_aux = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        jax.eval_shape(lambda md: grad_fn(params, c_params, rest, md, *loss_args)[0][1],
+                       jax.tree.map(lambda x: x[0], micro)),
+    )
+    zero_grads = jax.tree.map(jnp.zeros_like, (params, c_params))
+    return jax.lax.cond(has_tokens, lambda _: jax.lax.scan(accumulate, (zero_grads, zero_aux), micro)[0],
+                        lambda _: (zero_grads, zero_aux), None)
+
+
+def _actor_step_metrics(cfg, aux: dict, den, pg_den, grad_norm, finite, single: bool) -> dict:
+    """The policy's metrics of one optimizer step, from the summed loss terms."""
+    metrics = {
+        "actor/pg_loss": _safe_div(aux["pg_num"], den if pg_den is None else pg_den),
+        "actor/entropy_loss": _safe_div(aux["entropy_num"], den),
+        "actor/grad_norm": jnp.where(finite, grad_norm, 0.0),
+        "actor/pg_clipfrac": _safe_div(aux["pg_clipfrac"], aux["n_tokens"]),
+        "actor/pg_clipfrac_lower": _safe_div(aux["pg_clipfrac_lower"], aux["n_tokens"]),
+        "actor/ppo_kl": _safe_div(aux["ppo_kl"], aux["n_kl_tokens"]),
+    }
+    if cfg.use_kl_loss:
+        metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
+    if single:
+        metrics["actor/sampler_logprob_abs_diff_mean"] = _safe_div(aux["sampler_diff_sum"], aux["n_tokens"])
+        metrics["actor/sampler_logprob_abs_diff_max"] = aux["sampler_diff_max"]
+        metrics["actor/entropy"] = _safe_div(aux["entropy_num"], den)
+    return metrics
+
+
+def make_mini_batch_step(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0):
+    """``mini_batch_step(carry, mb, *, num_micro, rest, skip, single) -> (carry, (metrics, applied))``:
+    one optimizer step on a mini-batch ``mb`` (``[M, ...]`` per key), its gradient accumulated over
+    ``num_micro`` micro-batches from (numerator, denominator) losses, so token-mean stays exact;
+    global-norm clipping and AdamW on the policy (and the critic). ``carry`` = ``(params, opt_state,
+    critic_params, critic_opt_state, counts)``; a step with no token, ``skip`` set, or a non-finite
+    gradient leaves parameters and optimizer state untouched and is counted."""
+    actor_tx = make_optimizer(cfg.actor_lr, cfg)
+    critic_tx = make_optimizer(cfg.critic_lr, cfg)
+    grad_fns = {flag: jax.value_and_grad(make_loss_fn(graphdefs, cfg, shared_prefix_len, single_pass=flag)[0],
+                                         argnums=(0, 1), has_aux=True) for flag in (False, True)}
+    batch_dependent = losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams)
+    batch_statistics = make_batch_statistics(graphdefs, cfg, shared_prefix_len)
+
+    def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array, single: bool):
+        params, opt_state, c_params, c_opt, counts = carry
+        mask, row_w = mb["loss_mask"], mb["row_weights"]
+        den = losses.loss_denominator(mask, cfg.actor_loss_agg_mode, row_w)
+        value_den = losses.loss_denominator(mask, "token-mean", row_w)
+        micro = jax.tree.map(lambda x: x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:]), mb)
+        pg_den = is_weight_mean = None
+        if batch_dependent:
+            micro, pg_den, is_weight_mean = _mini_batch_statistics(batch_statistics, params, rest, micro)
+        has_tokens = (den > 0) & ~skip
+        (grads, c_grads), aux = _accumulated_gradients(grad_fns[single], params, c_params, rest, micro,
+                                                       (den, value_den, pg_den, is_weight_mean), has_tokens, single)
+        frozen = nnx.merge(graphdefs.policy, params, rest[0]).cfg.frozen_layers
+        params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens,
+                                                                    frozen)
+        nonfinite = has_tokens & ~finite
+        metrics = _actor_step_metrics(cfg, aux, den, pg_den, grad_norm, finite, single)
+        c_apply = jnp.zeros((), bool)
+        if cfg.critic_mode != "none":
+            c_params, c_opt, c_grad_norm, c_finite, c_apply = _guarded_step(critic_tx, c_grads, c_opt, c_params,
+                                                                             has_tokens)
+            nonfinite = nonfinite | (has_tokens & ~c_finite)
+            metrics.update({
+                "critic/vf_loss": _safe_div(aux["vf_num"], value_den),
+                "critic/vf_clipfrac": _safe_div(aux["vf_clipfrac"], aux["n_tokens"]),
+                "critic/vpred_mean": _safe_div(aux["vpred_mean"], aux["n_tokens"]),
+                "critic/grad_norm": jnp.where(c_finite, c_grad_norm, 0.0),
+            })
+        # Metrics of a step that did not run must not leak NaN/inf into the averages.
+        metrics = {k: jnp.where(apply, v, 0.0) for k, v in metrics.items()}
+        counts = {
+            "applied": counts["applied"] + apply.astype(jnp.int32),
+            "critic_applied": counts["critic_applied"] + c_apply.astype(jnp.int32),
+            "nonfinite": counts["nonfinite"] + nonfinite.astype(jnp.int32),
+        }
+        return (params, opt_state, c_params, c_opt, counts), (metrics, apply)
+
+    return mini_batch_step
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan of one update and the stages that need it
+
+
+@struct.dataclass
+class UpdatePlan:
+    """What one update does with a batch of this shape (all static under ``jit``): the mini- and
+    micro-batch layout, whether the scoring forward is folded into the loss pass, and how many loss
+    tokens a row holds."""
+
+    batch: int = struct.field(pytree_node=False)
+    num_groups: int = struct.field(pytree_node=False)
+    num_mini: int = struct.field(pytree_node=False)
+    mini_size: int = struct.field(pytree_node=False)
+    num_micro: int = struct.field(pytree_node=False)
+    micro_size: int = struct.field(pytree_node=False)
+    single: bool = struct.field(pytree_node=False)  # ``is_single_pass``: stage 1 folded into the loss pass
+    max_scored: int = struct.field(pytree_node=False)  # loss tokens a row holds at most; 0 = every position
+
+
+def plan_update(cfg, filter_cfg, traj: Trajectory, rows, *, group_size: int, single_pass: Optional[bool],
+                reply_tokens: int) -> UpdatePlan:
+    """The ``UpdatePlan`` of ``traj`` (``rows``: its per-turn rows, or None on whole transcripts)."""
+    batch, _ = traj.tokens.shape
+    if batch % group_size:
+        raise ValueError(f"Trajectory batch of {batch} rows is not a whole number of groups of "
+                         f"group_size={group_size}.")
+    num_mini, mini_size = cfg.mini_batch_layout(batch)
+    num_micro, micro_size = cfg.micro_batch_layout(mini_size)
+    single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini, rows is not None)
+    # The most loss tokens a row holds (a turn row: one reply; a transcript: one per turn).
+    max_scored = reply_tokens * (1 if rows is not None else traj.max_turns) if cfg.logprobs_at == "loss_tokens" else 0
+    return UpdatePlan(batch=batch, num_groups=batch // group_size, num_mini=num_mini, mini_size=mini_size,
+                      num_micro=num_micro, micro_size=micro_size, single=single, max_scored=max_scored)
+
+
+def apply_filter(cfg, filter_cfg, traj: Trajectory, old: dict, loss_mask: jax.Array, group_size: int):
+    """Stage 3: the SNR filter's row weights, and DAPO's overlong filter (episodes that were cut off do
+    not train). -> ``(filter result, metrics)``."""
+    filt = filter_groups(filter_cfg, traj, old, loss_mask, group_size)
+    metrics = dict(filt.metrics)
+    if cfg.overlong_filter:
+        cut = overlong.cut_episodes(traj)
+        filt = filt.replace(row_weights=jnp.where(cut, 0.0, filt.row_weights),
+                            is_empty=filt.is_empty | ~jnp.any(~cut & (filt.row_weights > 0)))
+        metrics["rollout/overlong_filtered_rows"] = jnp.sum(cut).astype(jnp.float32)
+    return filt, metrics
+
+
+def training_data(cfg, plan: UpdatePlan, traj: Trajectory, train_mask, row_weights, old: dict, advantages,
+                  returns, rows, key_shuffle):
+    """Stage 5's input (``update_batch``) with what the loss pass reads beyond it: the loss tokens'
+    slots, and the policy loss's noise when it draws one. -> ``(data, rows_per_episode, metrics)``."""
+    metrics = {}
+    data, rows_per_episode = update_batch(cfg, traj, train_mask, row_weights, old, advantages, returns, rows)
+    if plan.max_scored:
+        data["score_slots"] = score_slots(data["loss_mask"], plan.max_scored)
+        # 0 while every reply fits the budget the trainer passed; a count here means loss tokens
+        # were left out of the loss (a reply longer than reply_tokens).
+        metrics["actor/unscored_loss_tokens"] = unscored_count(data["loss_mask"], plan.max_scored).astype(jnp.float32)
+    if losses.needs_noise(cfg.policy_loss):  # e.g. the order in which Clip-Cov draws the tokens it cuts
+        data["policy_noise"] = jax.random.uniform(jax.random.fold_in(key_shuffle, 1), data["loss_mask"].shape)
+    return data, rows_per_episode, metrics
+
+
+def train_on_batch(mini_batch_step, cfg, plan: UpdatePlan, state: TrainState, data: dict, kept, rows_per_episode: int,
+                   skip, key_shuffle):
+    """Stages 5–6: ``ppo_epochs`` × mini-batches (``lax.scan``), one optimizer step each.
+    -> ``((params, opt_state, critic_params, critic_opt_state, counts), metrics)``, each metric the
+    mean over the steps that were applied."""
+    def epoch(carry, epoch_key):
+        batches = mini_batches_in_order(data, kept, epoch_key, shuffle=cfg.shuffle, num_mini=plan.num_mini,
+                                        mini_size=plan.mini_size, rows_per_episode=rows_per_episode)
+        step = lambda c, mb: mini_batch_step(c, mb, num_micro=plan.num_micro, rest=state.rest, skip=skip,
+                                             single=plan.single)
+        return jax.lax.scan(step, carry, batches)
+
+    counts0 = {k: jnp.zeros((), jnp.int32) for k in ("applied", "critic_applied", "nonfinite")}
+    carry0 = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, counts0)
+    epoch_keys = jax.random.split(key_shuffle, cfg.ppo_epochs)
+    carry, (step_metrics, applied) = jax.lax.scan(epoch, carry0, epoch_keys)
+    n_applied = jnp.sum(applied)
+    return carry, {name: _safe_div(jnp.sum(per_step), n_applied.astype(jnp.float32))
+                   for name, per_step in step_metrics.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The update: the stages in order
+
+
+@dataclasses.dataclass(frozen=True)
+class StarPOUpdate:
+    """What an update needs that does not change between calls: the configuration sections, the
+    batch layout it was built for and the compiled pieces (``make_update_step`` builds it)."""
+
+    graphdefs: Graphdefs
+    cfg: Any
+    filter_cfg: Any
+    collapse_cfg: Any
+    group_size: int
+    shared_prefix_len: int
+    per_turn_rows: Optional[tuple[int, int]]
+    single_pass: Optional[bool]
+    reply_tokens: int
+    critic_values: Any
+    mini_batch_step: Any
+    actor_lr: Any
+
+    def __call__(self, state: TrainState, traj: Trajectory, key: Optional[jax.Array] = None):
+        cfg = self.cfg
+        if key is None:
+            next_key, key = jax.random.split(state.key)
+        else:
+            next_key = state.key
+        key_collapse, key_shuffle = jax.random.split(key)
+        traj, metrics0 = shape_rewards(cfg, traj)  # 0.
+        loss_mask = traj.loss_mask.astype(bool)
+        rows = None if self.per_turn_rows is None else turn_rows(traj, *self.per_turn_rows)
+        plan = plan_update(cfg, self.filter_cfg, traj, rows, group_size=self.group_size,
+                           single_pass=self.single_pass, reply_tokens=self.reply_tokens)
+        if plan.single:  # 1. is folded into the loss pass
+            old, metrics = {}, {}
+        else:
+            frozen = nnx.merge(self.graphdefs.policy, state.params, state.policy_rest).cfg.frozen_layers
+            old = score_batch(self.graphdefs, cfg, self.critic_values, state, traj, rows, plan.micro_size,  # 1.
+                              self.shared_prefix_len, plan.max_scored, cfg.keep_frozen_residual and frozen > 0)
+            metrics = sampler_agreement(cfg, old, traj, loss_mask)
+        metrics.update(metrics0)
+        c_metrics, collapse_state = diagnose_collapse(self.graphdefs, cfg, self.collapse_cfg, state, traj, rows,  # 2.
+                                                      key_collapse, plan.num_groups)
+        metrics.update(c_metrics)
+        filt, f_metrics = apply_filter(cfg, self.filter_cfg, traj, old, loss_mask, self.group_size)  # 3.
+        metrics.update(f_metrics)
+        kept = filt.row_weights > 0
+        train_mask = loss_mask & kept[:, None]
+        # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
+        if not plan.single:
+            metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.actor_loss_agg_mode)
+        advantages, returns, a_metrics = estimate_advantages(cfg, self.filter_cfg, traj, old, filt, loss_mask,  # 4.
+                                                             train_mask, self.group_size)
+        metrics.update(a_metrics)
+        data, rows_per_episode, d_metrics = training_data(cfg, plan, traj, train_mask, filt.row_weights, old,
+                                                          advantages, returns, rows, key_shuffle)
+        metrics.update(d_metrics)
+        (params, opt_state, c_params, c_opt, counts), step_metrics = train_on_batch(  # 5.–6.
+            self.mini_batch_step, cfg, plan, state, data, kept, rows_per_episode, filt.is_empty, key_shuffle)
+        metrics.update(step_metrics)
+        counters, counter_metrics = advance_counters(state, filt.is_empty, counts, self.filter_cfg)  # 7.
+        metrics["actor/lr"] = jnp.asarray(self.actor_lr(counters["optimizer_steps"]), jnp.float32)
+        metrics.update(counter_metrics)
+        metrics.update({
+            "train/num_mini_batches": jnp.float32(plan.num_mini * cfg.ppo_epochs),
+            "train/batch_size": jnp.float32(plan.batch),
+            "train/kept_rows": jnp.sum(kept).astype(jnp.float32),
+        })
+        new_state = state.replace(params=params, opt_state=opt_state, critic_params=c_params,
+                                  critic_opt_state=c_opt, key=next_key, collapse=collapse_state, **counters)
+        return new_state, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+def check_update_inputs(graphdefs: Graphdefs, cfg, placement=None) -> None:
+    """The train state was built for this configuration, and what it asks for can run where it will."""
+    mode = cfg.critic_mode
+    if (mode == "none") != (graphdefs.critic is None):
+        raise ValueError(f"starpo.critic resolves to {mode!r} but the train state was built "
+                         f"{'without' if graphdefs.critic is None else 'with'} a critic; rebuild it with "
+                         "init_train_state using the same StarPOConfig.")
+    if cfg.uses_reference and graphdefs.reference is None:
+        raise ValueError("a KL term needs reference parameters; build the train state with "
+                         "init_train_state using the same StarPOConfig.")
+    if placement is not None and placement.num_processes > 1:
+        for name in adv_lib.ADVANTAGE_ESTIMATORS.get(cfg.estimator).needs:
+            reason = adv_lib.ADVANTAGE_INPUTS.get(name).host_callback(cfg)
+            if reason:
+                raise ValueError(f"starpo.adv_estimator={cfg.adv_estimator!r} builds its {name} in a host callback "
+                                 f"({reason}), which sees only one process's rows; run it in a single process "
+                                 "(or leave that setting off)")
+
+
 def make_update_step(
     graphdefs: Graphdefs,
     cfg,
@@ -707,207 +973,14 @@ def make_update_step(
     The batch size must be a multiple of ``group_size`` and of the mini-batch size. ``key`` (optional)
     drives pair sampling and shuffling; without it the state's key is split and advanced.
     """
-    mode = cfg.critic_mode
-    if (mode == "none") != (graphdefs.critic is None):
-        raise ValueError(f"starpo.critic resolves to {mode!r} but the train state was built "
-                         f"{'without' if graphdefs.critic is None else 'with'} a critic; rebuild it with "
-                         "init_train_state using the same StarPOConfig.")
-    if cfg.uses_reference and graphdefs.reference is None:
-        raise ValueError("a KL term needs reference parameters; build the train state with "
-                         "init_train_state using the same StarPOConfig.")
-    if cfg.estimator == "gigpo" and cfg.gigpo_enable_similarity and placement is not None \
-            and placement.num_processes > 1:
-        raise ValueError("starpo.gigpo_enable_similarity clusters observations in a host callback, which sees "
-                         "only one process's rows; run it in a single process (or leave it off: identical "
-                         "observations group on every device)")
-    actor_tx = make_optimizer(cfg.actor_lr, cfg)
-    critic_tx = make_optimizer(cfg.critic_lr, cfg)
-    actor_lr = learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,
-                                      cfg.min_lr_ratio)
-    P = shared_prefix_len
-    loss_fns = {flag: make_loss_fn(graphdefs, cfg, shared_prefix_len, single_pass=flag) for flag in (False, True)}
-    critic_values = loss_fns[False][1]
-    grad_fns = {flag: jax.value_and_grad(fn, argnums=(0, 1), has_aux=True) for flag, (fn, _) in loss_fns.items()}
-
-    # --- one optimizer step ----------------------------------------------------------------------------
-
-    batch_dependent = losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams)
-    batch_statistics = make_batch_statistics(graphdefs, cfg, shared_prefix_len)
-
-    def mini_batch_step(carry, mb, *, num_micro: int, rest, skip: jax.Array, single: bool):
-        params, opt_state, c_params, c_opt, counts = carry
-        grad_fn = grad_fns[single]
-        mask, row_w = mb["loss_mask"], mb["row_weights"]
-        den = losses.loss_denominator(mask, cfg.actor_loss_agg_mode, row_w)
-        value_den = losses.loss_denominator(mask, "token-mean", row_w)
-        micro = jax.tree.map(lambda x: x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:]), mb)
-        pg_den = is_weight_mean = None
-        if batch_dependent:
-            # Rejection, the veto and the weights' mean depend on the current policy over the whole
-            # mini-batch: measured once (a forward pass) before the gradient pass uses them.
-            def measure(acc, md):
-                sums, kept_md = batch_statistics(params, rest, md)
-                return jax.tree.map(jnp.add, acc, sums), kept_md
-
-            zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("pg_den", "weight_sum", "weight_count")}
-            sums, kept_masks = jax.lax.scan(measure, zero_sums, micro)
-            micro = dict(micro, kept_mask=kept_masks)
-            pg_den = sums["pg_den"]
-            is_weight_mean = _safe_div(sums["weight_sum"], sums["weight_count"])
-
-        def accumulate(acc, md):
-            (_, aux), grads = grad_fn(params, c_params, rest, md, den, value_den, pg_den, is_weight_mean)
-            grads, summed = jax.tree.map(jnp.add, acc, (grads, aux))
-            if single:  # a maximum over the micro-batches, not a sum
-                summed["sampler_diff_max"] = jnp.maximum(acc[1]["sampler_diff_max"], aux["sampler_diff_max"])
-            return (grads, summed), None
-
-        zero_aux = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype),
-            jax.eval_shape(lambda md: grad_fn(params, c_params, rest, md, den, value_den, pg_den, is_weight_mean)[0][1],
-                           jax.tree.map(lambda x: x[0], micro)),
-        )
-        zero_grads = jax.tree.map(jnp.zeros_like, (params, c_params))
-        has_tokens = (den > 0) & ~skip
-
-        # A mini-batch of filtered-out rows (or a batch the filter emptied) is not run at all: its
-        # forward/backward would be thrown away, and with a selective SNR filter that is most of them.
-        def run_micro_batches(_):
-            return jax.lax.scan(accumulate, (zero_grads, zero_aux), micro)[0]
-
-        (grads, c_grads), aux = jax.lax.cond(has_tokens, run_micro_batches,
-                                             lambda _: (zero_grads, zero_aux), None)
-        frozen = nnx.merge(graphdefs.policy, params, rest[0]).cfg.frozen_layers
-        params, opt_state, grad_norm, finite, apply = _guarded_step(actor_tx, grads, opt_state, params, has_tokens,
-                                                                    frozen)
-        nonfinite = has_tokens & ~finite
-        metrics = {
-            "actor/pg_loss": _safe_div(aux["pg_num"], den if pg_den is None else pg_den),
-            "actor/entropy_loss": _safe_div(aux["entropy_num"], den),
-            "actor/grad_norm": jnp.where(finite, grad_norm, 0.0),
-            "actor/pg_clipfrac": _safe_div(aux["pg_clipfrac"], aux["n_tokens"]),
-            "actor/pg_clipfrac_lower": _safe_div(aux["pg_clipfrac_lower"], aux["n_tokens"]),
-            "actor/ppo_kl": _safe_div(aux["ppo_kl"], aux["n_kl_tokens"]),
-        }
-        if cfg.use_kl_loss:
-            metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
-        if single:
-            metrics["actor/sampler_logprob_abs_diff_mean"] = _safe_div(aux["sampler_diff_sum"], aux["n_tokens"])
-            metrics["actor/sampler_logprob_abs_diff_max"] = aux["sampler_diff_max"]
-            metrics["actor/entropy"] = _safe_div(aux["entropy_num"], den)
-        c_apply = jnp.zeros((), bool)
-        if mode != "none":
-            c_params, c_opt, c_grad_norm, c_finite, c_apply = _guarded_step(critic_tx, c_grads, c_opt, c_params,
-                                                                             has_tokens)
-            nonfinite = nonfinite | (has_tokens & ~c_finite)
-            metrics.update({
-                "critic/vf_loss": _safe_div(aux["vf_num"], value_den),
-                "critic/vf_clipfrac": _safe_div(aux["vf_clipfrac"], aux["n_tokens"]),
-                "critic/vpred_mean": _safe_div(aux["vpred_mean"], aux["n_tokens"]),
-                "critic/grad_norm": jnp.where(c_finite, c_grad_norm, 0.0),
-            })
-        # Metrics of a step that did not run must not leak NaN/inf into the averages.
-        metrics = {k: jnp.where(apply, v, 0.0) for k, v in metrics.items()}
-        counts = {
-            "applied": counts["applied"] + apply.astype(jnp.int32),
-            "critic_applied": counts["critic_applied"] + c_apply.astype(jnp.int32),
-            "nonfinite": counts["nonfinite"] + nonfinite.astype(jnp.int32),
-        }
-        return (params, opt_state, c_params, c_opt, counts), (metrics, apply)
-
-    # --- the whole update: the stages in order ---------------------------------------------------------
-
-    def update(state: TrainState, traj: Trajectory, key: Optional[jax.Array] = None):
-        batch, _ = traj.tokens.shape
-        if batch % group_size:
-            raise ValueError(f"Trajectory batch of {batch} rows is not a whole number of groups of "
-                             f"group_size={group_size}.")
-        num_groups = batch // group_size
-        num_mini, mini_size = cfg.mini_batch_layout(batch)
-        num_micro, micro_size = cfg.micro_batch_layout(mini_size)
-        if key is None:
-            next_key, key = jax.random.split(state.key)
-        else:
-            next_key = state.key
-        key_collapse, key_shuffle = jax.random.split(key)
-        traj, metrics0 = shape_rewards(cfg, traj)  # 0.
-        loss_mask = traj.loss_mask.astype(bool)
-        rows = None if per_turn_rows is None else turn_rows(traj, *per_turn_rows)
-
-        single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini, rows is not None)
-        # The most loss tokens a row holds (a turn row: one reply; a transcript: one per turn); 0 =
-        # log-probs at every position (starpo.logprobs_at).
-        max_scored = reply_tokens * (1 if rows is not None else traj.max_turns) \
-            if cfg.logprobs_at == "loss_tokens" else 0
-        if single:  # 1. is folded into the loss pass
-            old, metrics = {}, {}
-        else:
-            frozen = nnx.merge(graphdefs.policy, state.params, state.policy_rest).cfg.frozen_layers
-            keep_frozen = cfg.keep_frozen_residual and frozen > 0
-            old = score_batch(graphdefs, cfg, critic_values, state, traj, rows, micro_size, P, max_scored,  # 1.
-                              keep_frozen)
-            metrics = sampler_agreement(cfg, old, traj, loss_mask)
-        metrics.update(metrics0)
-        c_metrics, collapse_state = diagnose_collapse(graphdefs, cfg, collapse_cfg, state, traj, rows,  # 2.
-                                                      key_collapse, num_groups)
-        metrics.update(c_metrics)
-        filt = filter_groups(filter_cfg, traj, old, loss_mask, group_size)  # 3.
-        metrics.update(filt.metrics)
-        if cfg.overlong_filter:  # DAPO: episodes that were cut off do not train
-            cut = overlong.cut_episodes(traj)
-            filt = filt.replace(row_weights=jnp.where(cut, 0.0, filt.row_weights),
-                                is_empty=filt.is_empty | ~jnp.any(~cut & (filt.row_weights > 0)))
-            metrics["rollout/overlong_filtered_rows"] = jnp.sum(cut).astype(jnp.float32)
-        kept = filt.row_weights > 0
-        train_mask = loss_mask & kept[:, None]
-        # Entropy of the policy on the tokens it will train on (the original measures it after filtering).
-        if not single:
-            metrics["actor/entropy"] = losses.aggregate_mean(old["entropy"], train_mask, cfg.actor_loss_agg_mode)
-        advantages, returns, a_metrics = estimate_advantages(cfg, filter_cfg, traj, old, filt, loss_mask,  # 4.
-                                                             train_mask, group_size)
-        metrics.update(a_metrics)
-
-        # 5.–6. PPO epochs × mini-batches × micro-batches.
-        data, rows_per_episode = update_batch(cfg, traj, train_mask, filt.row_weights, old, advantages, returns, rows)
-        if max_scored:
-            data["score_slots"] = score_slots(data["loss_mask"], max_scored)
-            # 0 while every reply fits the budget the trainer passed; a count here means loss tokens
-            # were left out of the loss (a reply longer than reply_tokens).
-            metrics["actor/unscored_loss_tokens"] = unscored_count(data["loss_mask"], max_scored).astype(jnp.float32)
-        if cfg.policy_loss == "clip_cov":  # the order in which Clip-Cov draws the tokens it cuts
-            noise = jax.random.uniform(jax.random.fold_in(key_shuffle, 1), data["loss_mask"].shape)
-            data["policy_noise"] = noise
-
-        def epoch(carry, epoch_key):
-            batches = mini_batches_in_order(data, kept, epoch_key, shuffle=cfg.shuffle, num_mini=num_mini,
-                                            mini_size=mini_size, rows_per_episode=rows_per_episode)
-            step = lambda c, mb: mini_batch_step(c, mb, num_micro=num_micro, rest=state.rest, skip=filt.is_empty,
-                                                 single=single)
-            return jax.lax.scan(step, carry, batches)
-
-        counts0 = {k: jnp.zeros((), jnp.int32) for k in ("applied", "critic_applied", "nonfinite")}
-        carry0 = (state.params, state.opt_state, state.critic_params, state.critic_opt_state, counts0)
-        epoch_keys = jax.random.split(key_shuffle, cfg.ppo_epochs)
-        (params, opt_state, c_params, c_opt, counts), (step_metrics, applied) = jax.lax.scan(
-            epoch, carry0, epoch_keys)
-        n_applied = jnp.sum(applied)
-        for name, per_step in step_metrics.items():
-            metrics[name] = _safe_div(jnp.sum(per_step), n_applied.astype(jnp.float32))
-
-        # 7. Counters and the rest of the metrics.
-        counters, counter_metrics = advance_counters(state, filt.is_empty, counts, filter_cfg)
-        metrics["actor/lr"] = jnp.asarray(actor_lr(counters["optimizer_steps"]), jnp.float32)
-        metrics.update(counter_metrics)
-        metrics.update({
-            "train/num_mini_batches": jnp.float32(num_mini * cfg.ppo_epochs),
-            "train/batch_size": jnp.float32(batch),
-            "train/kept_rows": jnp.sum(kept).astype(jnp.float32),
-        })
-        new_state = state.replace(params=params, opt_state=opt_state, critic_params=c_params,
-                                  critic_opt_state=c_opt, key=next_key, collapse=collapse_state, **counters)
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return new_state, metrics
-
+    check_update_inputs(graphdefs, cfg, placement)
+    update = StarPOUpdate(
+        graphdefs=graphdefs, cfg=cfg, filter_cfg=filter_cfg, collapse_cfg=collapse_cfg, group_size=group_size,
+        shared_prefix_len=shared_prefix_len, per_turn_rows=per_turn_rows, single_pass=single_pass,
+        reply_tokens=reply_tokens, critic_values=make_loss_fn(graphdefs, cfg, shared_prefix_len)[1],
+        mini_batch_step=make_mini_batch_step(graphdefs, cfg, shared_prefix_len),
+        actor_lr=learning_rate_schedule(cfg.actor_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.lr_decay_steps,
+                                        cfg.min_lr_ratio))
     if not jit:
         return update
     donate_argnums = (0,) if donate else ()

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ragen_jax.rollout.trajectory import Trajectory
-from ragen_jax.starpo.advantages import SCORE_STD_EPS, episode_scores, group_view
+from ragen_jax.starpo.advantages import SCORE_STD_EPS, episode_scores
+from ragen_jax.starpo.reductions import group_std, group_view
 
 # Where the extra rounds' keys come from: far from any step's fold_in (steps count from 0).
 ROUND_KEY_OFFSET = 1 << 30
@@ -27,7 +28,7 @@ def informative_groups(traj: Trajectory, group_size: int) -> jax.Array:
     if group_size < 2:
         return jnp.zeros(traj.batch_size, bool)
     scores = group_view(episode_scores(traj.token_rewards), group_size)
-    return jnp.std(scores, axis=1, ddof=1) > SCORE_STD_EPS
+    return group_std(scores) > SCORE_STD_EPS
 
 
 def gather_groups(trajs: tuple[Trajectory, ...], rows: jax.Array, group_size: int) -> Trajectory:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ragen_jax.rollout.trajectory import Trajectory
+from ragen_jax.starpo.reductions import group_std, group_view
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
@@ -24,14 +25,13 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
     """
     success = traj.success.astype(jnp.float32)
     groups = success.reshape(-1, group_size)
-    returns = traj.episode_return.reshape(-1, group_size)
-    ddof = 1 if group_size > 1 else 0
+    returns = group_view(traj.episode_return, group_size)
     metrics = {
         "success": success.mean(),
         f"pass_at_{group_size}": groups.max(axis=1).mean(),
         "return": traj.episode_return.mean(),
         "return_std": traj.episode_return.std(),
-        "in_group_reward_std": returns.std(axis=1, ddof=ddof).mean(),
+        "in_group_reward_std": group_std(returns).mean(),
         "num_turns": traj.num_turns.astype(jnp.float32).mean(),
         "num_actions": traj.num_actions.astype(jnp.float32).mean(),
         "valid_action_rate": traj.valid_action_rate.mean(),
