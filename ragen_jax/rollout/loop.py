@@ -60,7 +60,7 @@ from ragen_jax.models.sharding import cache_shardings
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout import parser as parser_lib
 from ragen_jax.rollout import prompts
-from ragen_jax.rollout.carry import ForcedReplies, TurnCarry, UserBlock
+from ragen_jax.rollout.carry import ForcedReplies, Reply, TurnCarry, TurnRecord, UserBlock
 from ragen_jax.rollout.chat import chat_framing
 from ragen_jax.rollout.context import CONTEXT_STRATEGIES
 from ragen_jax.rollout.remote import RemoteReplies
@@ -337,10 +337,10 @@ class Rollout:
         else:
             model = (self.graphdef, pack_for_decode(self.graphdef, params))
         carry = self._initial_carry(model, env_keys, sample_key)
-        carry, per_turn = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t, greedy), carry,
-                                       jnp.arange(self.config.max_turns))
-        per_turn = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), per_turn)  # [B, T]
-        return self._constrain(self._assemble(carry, per_turn))
+        carry, record = jax.lax.scan(lambda c, t: self._turn(model, env_keys, forced, c, t, greedy), carry,
+                                     jnp.arange(self.config.max_turns))
+        record = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), record)  # [B, T]
+        return self._constrain(self._assemble(carry, record))
 
     def _initial_carry(self, model, env_keys, sample_key) -> TurnCarry:
         """Reset envs, prefill the system prompt (``P0`` tokens) into every row's cache and transcript."""
@@ -376,64 +376,94 @@ class Rollout:
                                 for f in dataclasses.fields(carry) if f.name != "cache"})
 
     def _turn(self, model, env_keys, forced, carry: TurnCarry, t, greedy: bool = False):
-        """One turn for every row: user block → context → reply → parse → env steps → record."""
-        c, cd = self.config, self.codec
-        P0 = len(cd.preamble_ids)
-        block = self._user_block(carry, t)
-        active = block.active
+        """One turn for every row: prompt → generate → parse → step envs → record."""
+        block = self._user_block(carry, t)  # prompt: the user block, and who takes the turn
+        buf, turn_ids, prompt_end, context_start = self._write_prompt(carry, block, t)
+        reply = self._generate(model, carry, block, buf, prompt_end, context_start, forced, t, greedy)
+        buf, loss, logp, turn_ids, eot, pos = self._write_reply(carry, buf, turn_ids, prompt_end, reply, block.active, t)
+        parsed, reasoning_end, rbytes, nbytes = self._parse(reply.tokens, reply.length, prompt_end)
+        reasoning_reward = self._reasoning_reward(carry.state, rbytes, nbytes, block.active)
+        describes = self._describes_state(carry.state, rbytes, nbytes, block.active)
+        stepped_envs = self._step_envs(env_keys, carry, parsed, block.active)
+        new = self._next_carry(carry, block, reply, parsed, stepped_envs,
+                               dict(buf=buf, loss=loss, logp=logp, turn_ids=turn_ids, eot=eot, pos=pos))
+        record = self._record(block, reply, parsed, stepped_envs, reasoning_reward, describes, prompt_end,
+                              reasoning_end, context_start, pos)
+        return new, record
+
+    def _write_prompt(self, carry: TurnCarry, block: UserBlock, t):
+        """The user block into the transcript. -> ``(buf, turn_ids, prompt_end [B], context_start [B])``."""
         buf = _write(carry.buf, carry.pos, block.chunk, block.length)
         # The close of the previous assistant message (piece 0) belongs to the previous turn.
         turn_ids = _write(carry.turn_ids, carry.pos, jnp.where(block.source == 0, t - 1, t), block.length)
         prompt_end = carry.pos + block.length
-        context_start = self.context.context_start(block.turn_starts, t, P0, active)
+        context_start = self.context.context_start(block.turn_starts, t, len(self.codec.preamble_ids), block.active)
+        return buf, turn_ids, prompt_end, context_start
 
-        failed = jnp.zeros_like(active)
-        if self.remote is None:
-            cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
-            last_logits, cache = prefill(model, cache, chunk, cache_pos, clen, c.prefill_pieces)
-            reply, rlen, rlogp, stopped, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen,
-                                                                   active, carry.keys, forced, t, greedy)
-        else:
-            reply, rlen, rlogp, stopped, failed = self._remote_reply(buf, context_start, prompt_end, active, t)
-            cache, keys = carry.cache, carry.keys
-        buf = _write(buf, prompt_end, reply, rlen)
-        loss = _write(carry.loss, prompt_end, jnp.ones_like(reply, bool), rlen)
-        logp = _write(carry.logp, prompt_end, rlogp, rlen)
-        turn_ids = _write(turn_ids, prompt_end, jnp.full_like(reply, t), rlen)
-        last_tok = jnp.take_along_axis(reply, jnp.maximum(rlen - 1, 0)[:, None], 1)[:, 0]
-        eot = active & (rlen > 0) & (last_tok == cd.eot_id)
-        pos = prompt_end + rlen
+    def _generate(self, model, carry: TurnCarry, block: UserBlock, buf, prompt_end, context_start, forced, t,
+                  greedy: bool = False) -> Reply:
+        """The turn's reply: the context this turn sees prefilled, then sampled (or scripted) tokens; or
+        a hosted model's reply to the transcript so far."""
+        active = block.active
+        if self.remote is not None:
+            tokens, rlen, rlogp, stopped, failed = self._remote_reply(buf, context_start, prompt_end, active, t)
+            return Reply(tokens=tokens, length=rlen, logp=rlogp, stopped=stopped, failed=failed, cache=carry.cache,
+                         keys=carry.keys)
+        cache, chunk, clen, cache_pos = self.context.prepare(model, carry, block, t)
+        last_logits, cache = prefill(model, cache, chunk, cache_pos, clen, self.config.prefill_pieces)
+        tokens, rlen, rlogp, stopped, cache, keys = self._reply(model, cache, last_logits, cache_pos + clen, active,
+                                                                carry.keys, forced, t, greedy)
+        return Reply(tokens=tokens, length=rlen, logp=rlogp, stopped=stopped, failed=jnp.zeros_like(active),
+                     cache=cache, keys=keys)
 
-        parsed, reasoning_end, rbytes, nbytes = self._parse(reply, rlen, prompt_end)
-        reasoning_reward = self._reasoning_reward(carry.state, rbytes, nbytes, active)
-        describes = self._describes_state(carry.state, rbytes, nbytes, active)
-        state, num_actions, env_done, rsum, success, nexe, neff = self._step_envs(env_keys, carry, parsed, active)
+    def _write_reply(self, carry: TurnCarry, buf, turn_ids, prompt_end, reply: Reply, active, t):
+        """The reply into the transcript, its loss mask and log-probs. -> ``(buf, loss, logp, turn_ids,
+        eot [B] (it ended with the end-of-turn token), pos [B])``."""
+        buf = _write(buf, prompt_end, reply.tokens, reply.length)
+        loss = _write(carry.loss, prompt_end, jnp.ones_like(reply.tokens, bool), reply.length)
+        logp = _write(carry.logp, prompt_end, reply.logp, reply.length)
+        turn_ids = _write(turn_ids, prompt_end, jnp.full_like(reply.tokens, t), reply.length)
+        last_tok = jnp.take_along_axis(reply.tokens, jnp.maximum(reply.length - 1, 0)[:, None], 1)[:, 0]
+        eot = active & (reply.length > 0) & (last_tok == self.codec.eot_id)
+        return buf, loss, logp, turn_ids, eot, prompt_end + reply.length
 
+    def _next_carry(self, carry: TurnCarry, block: UserBlock, reply: Reply, parsed, stepped_envs,
+                    written: dict) -> TurnCarry:
+        """What this turn hands the next: the transcript so far, the env states, and the episode's end."""
+        c, cd = self.config, self.codec
+        active = block.active
+        state, num_actions, env_done, rsum, success, _, _ = stepped_envs
         stepped = active & (parsed.n_valid > 0)
         # A reply the API could not give (after its retries) ends the episode.
-        done = block.done | (active & (env_done | (num_actions >= c.max_actions_per_traj) | failed))
-        penalty = active & parsed.format_penalty & ~failed  # an API failure is not the model's format
-        new = TurnCarry(
-            cache=cache, state=state, pos=pos, buf=buf, loss=loss, logp=logp, turn_ids=turn_ids, keys=keys,
+        done = block.done | (active & (env_done | (num_actions >= c.max_actions_per_traj) | reply.failed))
+        return TurnCarry(
+            cache=reply.cache, state=state, pos=written["pos"], buf=written["buf"], loss=written["loss"],
+            logp=written["logp"], turn_ids=written["turn_ids"], keys=reply.keys,
             done=done, truncated=block.truncated, success=success, num_actions=num_actions,
-            eot=jnp.where(active, eot, carry.eot),
+            eot=jnp.where(active, written["eot"], carry.eot),
             reward_id=jnp.where(active, cd.reward_id(rsum, stepped), carry.reward_id),
             warn=jnp.where(active, ~stepped, carry.warn), turn_starts=block.turn_starts,
         )
-        per_turn = dict(
+
+    def _record(self, block: UserBlock, reply: Reply, parsed, stepped_envs, reasoning_reward, describes,
+                prompt_end, reasoning_end, context_start, pos) -> TurnRecord:
+        """What the turn leaves in the episode's record (``TurnRecord``, ``[B]``)."""
+        c = self.config
+        active = block.active
+        _, _, _, rsum, _, nexe, neff = stepped_envs
+        penalty = active & parsed.format_penalty & ~reply.failed  # an API failure is not the model's format
+        return TurnRecord(
             reward=jnp.where(active, rsum + jnp.where(penalty, c.format_penalty, 0.0) + reasoning_reward, 0.0),
-            penalty=jnp.where(penalty, c.format_penalty, 0.0), reasoning_reward=reasoning_reward, mask=active,
-            last=jnp.where(active & (rlen > 0), pos - 1, -1), prompt_end=jnp.where(active, prompt_end, 0),
-            r_start=jnp.where(active, prompt_end, 0), r_end=jnp.where(active, reasoning_end, 0),
-            valid_turn=active & ~parsed.format_penalty, nexe=nexe, neff=neff,
-            context_start=context_start,
-            anchor=jnp.where(active, block.anchor, jnp.uint32(0)), cut=active & ~stopped,
+            format_penalty=jnp.where(penalty, c.format_penalty, 0.0), reasoning_reward=reasoning_reward,
+            took_turn=active, last_token=jnp.where(active & (reply.length > 0), pos - 1, -1),
+            prompt_end=jnp.where(active, prompt_end, 0), reasoning_start=jnp.where(active, prompt_end, 0),
+            reasoning_end=jnp.where(active, reasoning_end, 0), parsed=active & ~parsed.format_penalty,
+            actions_executed=nexe, actions_effective=neff, context_start=context_start,
+            anchor=jnp.where(active, block.anchor, jnp.uint32(0)), reply_cut=active & ~reply.stopped,
             observation=jnp.where(active[:, None], block.observation, 0),
             observation_len=jnp.where(active, block.observation_len, 0),
+            describes_state=describes,
         )
-        if describes is not None:
-            per_turn["describes"] = describes
-        return new, per_turn
 
     def _user_block(self, carry: TurnCarry, t) -> UserBlock:
         """Turn ``t``'s user block from the env state (previous close, reward, warning, board), and
@@ -553,27 +583,27 @@ class Rollout:
                 carry.success, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return jax.lax.scan(act, init, jnp.arange(c.max_actions_per_turn))[0]
 
-    def _assemble(self, carry: TurnCarry, pt: dict) -> Trajectory:
+    def _assemble(self, carry: TurnCarry, rec: TurnRecord) -> Trajectory:
         """Close each row's last assistant message (the next turn never came) and build the Trajectory."""
         c, cd = self.config, self.codec
         B, L = carry.buf.shape
         rows = jnp.arange(B)
-        had_turn = jnp.any(pt["mask"], axis=1)
+        had_turn = jnp.any(rec.took_turn, axis=1)
         close_id = jnp.where(carry.eot, cd.end_rest, cd.end_full)
         ctoks, clen, _ = jax.vmap(
             lambda i: codec_lib.concat_pieces(cd.table, cd.lengths, i[None], jnp.ones((1,), bool), cd.end_len, cd.pad_id)
         )(close_id)
         clen = jnp.where(had_turn, clen, 0)
-        last_turn = jnp.maximum(jnp.sum(pt["mask"], axis=1) - 1, 0)
+        last_turn = jnp.maximum(jnp.sum(rec.took_turn, axis=1) - 1, 0)
         buf = _write(carry.buf, carry.pos, ctoks, clen)
         turn_ids = _write(carry.turn_ids, carry.pos, jnp.broadcast_to(last_turn[:, None], ctoks.shape), clen)
         length = carry.pos + clen
 
         valid_mask = jnp.arange(L)[None] < length[:, None]
-        token_rewards = jnp.zeros((B, L), jnp.float32).at[rows[:, None], jnp.where(pt["last"] >= 0, pt["last"], L)].add(
-            pt["reward"], mode="drop")
-        num_turns = jnp.sum(pt["mask"], axis=1).astype(jnp.int32)
-        nexe = jnp.sum(pt["nexe"], axis=1)
+        token_rewards = jnp.zeros((B, L), jnp.float32).at[rows[:, None], jnp.where(rec.last_token >= 0, rec.last_token, L)].add(
+            rec.reward, mode="drop")
+        num_turns = jnp.sum(rec.took_turn, axis=1).astype(jnp.int32)
+        nexe = jnp.sum(rec.actions_executed, axis=1)
         return Trajectory(
             tokens=jnp.where(valid_mask, buf, cd.pad_id),
             valid_mask=valid_mask,
@@ -581,29 +611,29 @@ class Rollout:
             sampler_logprobs=carry.logp,
             turn_ids=jnp.where(valid_mask, turn_ids, -1),
             token_rewards=token_rewards,
-            turn_rewards=pt["reward"],
-            turn_format_penalty=pt["penalty"],
-            turn_reasoning_reward=pt["reasoning_reward"],
-            turn_mask=pt["mask"],
-            turn_last_token=pt["last"],
-            prompt_end=pt["prompt_end"],
-            reasoning_start=pt["r_start"],
-            reasoning_end=pt["r_end"],
+            turn_rewards=rec.reward,
+            turn_format_penalty=rec.format_penalty,
+            turn_reasoning_reward=rec.reasoning_reward,
+            turn_mask=rec.took_turn,
+            turn_last_token=rec.last_token,
+            prompt_end=rec.prompt_end,
+            reasoning_start=rec.reasoning_start,
+            reasoning_end=rec.reasoning_end,
             group_ids=(rows // c.group_size).astype(jnp.int32),
-            episode_return=jnp.sum(pt["reward"], axis=1),
+            episode_return=jnp.sum(rec.reward, axis=1),
             success=carry.success,
             num_turns=num_turns,
             num_actions=carry.num_actions,
-            valid_action_rate=jnp.sum(pt["valid_turn"], axis=1) / jnp.maximum(num_turns, 1),
-            effective_action_rate=jnp.sum(pt["neff"], axis=1) / jnp.maximum(nexe, 1),
+            valid_action_rate=jnp.sum(rec.parsed, axis=1) / jnp.maximum(num_turns, 1),
+            effective_action_rate=jnp.sum(rec.actions_effective, axis=1) / jnp.maximum(nexe, 1),
             response_length=jnp.sum(carry.loss, axis=1).astype(jnp.int32),
             truncated=carry.truncated,
-            context_start=pt["context_start"],
-            turn_state_hash=pt["anchor"],
-            turn_observation=pt["observation"],
-            turn_observation_len=pt["observation_len"],
-            turn_reply_cut=pt["cut"],
-            turn_describes_state=pt.get("describes"),
+            context_start=rec.context_start,
+            turn_state_hash=rec.anchor,
+            turn_observation=rec.observation,
+            turn_observation_len=rec.observation_len,
+            turn_reply_cut=rec.reply_cut,
+            turn_describes_state=rec.describes_state,
         )
 
 
