@@ -22,6 +22,8 @@ small model:
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import jax
@@ -418,6 +420,40 @@ def _checked_inputs(last_logits, start, active, keys, stop_ids, stop_sequences, 
     return last_logits, start, active, stop_ids, _right_align(stop_sequences)
 
 
+def _decode_step(graphdef, params, start, call_keys, inv_t, sampling, filter_candidates, stops, pad_id,
+                 s: _LoopState) -> _LoopState:
+    """One decode step for every row: sample from the current logits, record the token and its
+    log-prob (at the sampling temperature), check the stops, and run the token through the model
+    (``generate``'s ``while_loop`` body; ``stops`` = ``(stop_ids, aligned stop sequences, their lengths)``)."""
+    stop_ids, aligned, seq_lengths = stops
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, s.step)))(call_keys)
+    token = sample_logits(s.logits, u, sampling, filter_candidates)
+    scaled = s.logits * inv_t
+    logprob = jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
+
+    live = ~s.done
+    window = jnp.concatenate([s.window[:, 1:], token[:, None]], axis=1)
+    hit = live & stop_hits(token, window, stop_ids, aligned, seq_lengths)
+    tokens = jax.lax.dynamic_update_slice(s.tokens, jnp.where(live, token, pad_id)[:, None], (0, s.step))
+    logprobs = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, s.step))
+
+    # Every sampled token goes into the cache (the next turn continues after it), so the forward
+    # runs even on the final step; its logits are simply not used then.
+    decoder = nnx.merge(graphdef, params)
+    logits, cache = decoder(token[:, None], (start + s.step)[:, None], s.cache)
+    return _LoopState(
+        step=s.step + 1,
+        logits=logits[:, -1].astype(jnp.float32),
+        cache=cache,
+        tokens=tokens,
+        logprobs=logprobs,
+        lengths=s.lengths + live.astype(jnp.int32),
+        done=s.done | hit,
+        stopped=s.stopped | hit,
+        window=window,
+    )
+
+
 def generate(
     model,
     cache,
@@ -472,34 +508,8 @@ def generate(
     def cond(s: _LoopState):
         return (s.step < n_new) & ~jnp.all(s.done)
 
-    def body(s: _LoopState) -> _LoopState:
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, s.step)))(call_keys)
-        token = sample_logits(s.logits, u, sampling, filter_candidates)
-        scaled = s.logits * inv_t
-        logprob = jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
-
-        live = ~s.done
-        window = jnp.concatenate([s.window[:, 1:], token[:, None]], axis=1)
-        hit = live & stop_hits(token, window, stop_ids, aligned, seq_lengths)
-        tokens = jax.lax.dynamic_update_slice(s.tokens, jnp.where(live, token, pad_id)[:, None], (0, s.step))
-        logprobs = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, s.step))
-
-        # Every sampled token goes into the cache (the next turn continues after it), so the forward
-        # runs even on the final step; its logits are simply not used then.
-        decoder = nnx.merge(graphdef, params)
-        logits, cache = decoder(token[:, None], (start + s.step)[:, None], s.cache)
-        return _LoopState(
-            step=s.step + 1,
-            logits=logits[:, -1].astype(jnp.float32),
-            cache=cache,
-            tokens=tokens,
-            logprobs=logprobs,
-            lengths=s.lengths + live.astype(jnp.int32),
-            done=s.done | hit,
-            stopped=s.stopped | hit,
-            window=window,
-        )
-
+    body = functools.partial(_decode_step, graphdef, params, start, call_keys, inv_t, sampling, filter_candidates,
+                             (stop_ids, aligned, seq_lengths), pad_id)
     init = _LoopState(
         step=jnp.zeros((), jnp.int32),
         logits=last_logits,

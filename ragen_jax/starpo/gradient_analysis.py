@@ -70,6 +70,78 @@ def bucket_names(bucketing: str, num_buckets: int) -> tuple[str, ...]:
     return tuple(f"rv{k}-{k + 1}" for k in range(num_buckets - 1)) + (f"rv{num_buckets - 1}+",)
 
 
+def loss_terms(graphdefs, cfg, shared_prefix_len: int, params, rest, data: dict, mask) -> dict:
+    """The three loss terms (task, entropy, KL; each aggregated over ``mask [R, L]``) of the rows ``data``."""
+    agg = cfg.actor_loss_agg_mode
+    policy = nnx.merge(graphdefs.policy, params, rest)
+    logp, entropy, _ = sequence_logprobs(policy, data["tokens"], chunk_size=cfg.logprob_chunk_size,
+                                         temperature=cfg.scoring_temperature, shared_prefix_len=shared_prefix_len)
+    per_token, _ = losses.policy_loss(cfg.policy_loss, logp, data["old_logp"], data["advantages"], mask,
+                                      **cfg.policy_loss_hparams)
+    out = {"task": losses.aggregate_mean(per_token, mask, agg),
+           "entropy": -cfg.entropy_coeff * losses.aggregate_mean(entropy, mask, agg)}
+    if cfg.use_kl_loss:
+        out["kl"] = cfg.kl_coef * losses.aggregate_mean(losses.kl_penalty(cfg.kl_type, logp, data["ref_logp"]),
+                                                        mask, agg)
+    return out
+
+
+def measure_terms(graphdefs, cfg, shared_prefix_len: int, state, data: dict, row_mask):
+    """Gradient norms and values of each loss term over the rows ``row_mask [R]`` (one forward, one VJP
+    per term). -> ``({term: (norm, value)}, tokens)``."""
+    mask = data["loss_mask"] & row_mask[:, None]
+    values, vjp = jax.vjp(lambda p: loss_terms(graphdefs, cfg, shared_prefix_len, p, state.policy_rest, data, mask),
+                          state.params)
+    out = {}
+    for name, value in values.items():
+        cot = {k: jnp.asarray(1.0 if k == name else 0.0, v.dtype) for k, v in values.items()}
+        (grad,) = vjp(cot)
+        out[name] = (optax.global_norm(grad), value)
+    return out, jnp.sum(mask).astype(jnp.float32)
+
+
+def _bucket_metrics(p: str, measured: dict, tokens, groups, group_std, episodes, total_episodes) -> dict:
+    """One bucket's metrics under the prefix ``p``: each term's gradient norm (whole, per episode, per
+    token) and value, the bucket's reward-std range and its share of the episodes."""
+    metrics = {}
+    for comp, (norm, value) in measured.items():
+        metrics[p + comp] = norm
+        metrics[p + "per_sample/" + comp] = norm / jnp.maximum(episodes, 1.0)
+        metrics[p + "per_token/" + comp] = norm / jnp.maximum(tokens, 1.0)
+        metrics[p + "loss/" + comp] = value
+    std_in = jnp.where(groups, group_std, 0.0)
+    metrics[p + "reward_std_mean"] = jnp.sum(std_in) / jnp.maximum(jnp.sum(groups), 1)
+    metrics[p + "reward_std_min"] = jnp.where(jnp.any(groups), jnp.min(jnp.where(groups, group_std, jnp.inf)), 0.0)
+    metrics[p + "reward_std_max"] = jnp.max(std_in)
+    metrics[p + "sample_count"] = episodes
+    metrics[p + "sample_pct"] = episodes / total_episodes
+    return metrics
+
+
+def analyse_buckets(measure, bucketing: str, num_buckets: int, group_size: int, data: dict, rows_per_episode: int,
+                    group_std, considered, prefix: str) -> dict:
+    """Every bucket's metrics (and ``all``'s) for one view of the batch; ``measure(row_mask)`` is
+    ``measure_terms`` on the update batch ``data``."""
+    names = bucket_names(bucketing, num_buckets) + ("all",)
+    buckets = BUCKETINGS.get(bucketing)(group_std, considered, num_buckets)  # [G]
+    episode_bucket = jnp.repeat(buckets, group_size)  # [B]
+    row_bucket = jnp.repeat(episode_bucket, rows_per_episode)  # rows of the update batch
+    considered_rows = jnp.repeat(jnp.repeat(considered, group_size), rows_per_episode)
+    total_episodes = jnp.maximum(jnp.sum(considered).astype(jnp.float32) * group_size, 1.0)
+    metrics = {}
+    # One bucket at a time (lax.map): the buckets' forward and backward passes over the whole
+    # batch never hold their activations at once (unrolled, Sokoban's batch needed > 22 GB).
+    row_masks = jnp.stack([considered_rows if name == "all" else row_bucket == k for k, name in enumerate(names)])
+    measured_all, tokens_all = jax.lax.map(measure, row_masks)
+    for k, name in enumerate(names):
+        groups = considered if name == "all" else buckets == k
+        episodes = jnp.sum(groups).astype(jnp.float32) * group_size
+        measured = {comp: (norm[k], value[k]) for comp, (norm, value) in measured_all.items()}
+        metrics.update(_bucket_metrics(f"{prefix}/{name}/", measured, tokens_all[k], groups, group_std, episodes,
+                                       total_episodes))
+    return metrics
+
+
 def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
                            bucketing: str = "quantile", num_buckets: int = 6, shared_prefix_len: int = 0,
                            per_turn_rows=None, jit: bool = True, placement=None):
@@ -81,65 +153,7 @@ def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
     BUCKETINGS.validate(bucketing)
     if not isinstance(num_buckets, int) or num_buckets < 1:
         raise ValueError(f"num_buckets must be a positive int, got {num_buckets!r}.")
-    names = bucket_names(bucketing, num_buckets) + ("all",)
     critic_values = upd.make_loss_fn(graphdefs, cfg, shared_prefix_len)[1]
-    agg = cfg.actor_loss_agg_mode
-    chunk = cfg.logprob_chunk_size
-
-    def terms(params, rest, data, mask):
-        """The three loss terms (each aggregated over ``mask``) of the rows ``data``."""
-        policy = nnx.merge(graphdefs.policy, params, rest)
-        logp, entropy, _ = sequence_logprobs(policy, data["tokens"], chunk_size=chunk,
-                                             temperature=cfg.scoring_temperature, shared_prefix_len=shared_prefix_len)
-        per_token, _ = losses.policy_loss(cfg.policy_loss, logp, data["old_logp"], data["advantages"], mask,
-                                          **cfg.policy_loss_hparams)
-        out = {"task": losses.aggregate_mean(per_token, mask, agg),
-               "entropy": -cfg.entropy_coeff * losses.aggregate_mean(entropy, mask, agg)}
-        if cfg.use_kl_loss:
-            out["kl"] = cfg.kl_coef * losses.aggregate_mean(losses.kl_penalty(cfg.kl_type, logp, data["ref_logp"]),
-                                                            mask, agg)
-        return out
-
-    def measure(state, data, row_mask):
-        """Gradient norms and values of each term over the rows ``row_mask`` (one forward, one VJP per term)."""
-        mask = data["loss_mask"] & row_mask[:, None]
-        values, vjp = jax.vjp(lambda p: terms(p, state.policy_rest, data, mask), state.params)
-        out = {}
-        for name, value in values.items():
-            cot = {k: jnp.asarray(1.0 if k == name else 0.0, v.dtype) for k, v in values.items()}
-            (grad,) = vjp(cot)
-            out[name] = (optax.global_norm(grad), value)
-        return out, jnp.sum(mask).astype(jnp.float32)
-
-    def analyse_one(state, data, rows_per_episode, group_std, considered, prefix):
-        buckets = BUCKETINGS.get(bucketing)(group_std, considered, num_buckets)  # [G]
-        episode_bucket = jnp.repeat(buckets, group_size)  # [B]
-        row_bucket = jnp.repeat(episode_bucket, rows_per_episode)  # rows of the update batch
-        considered_rows = jnp.repeat(jnp.repeat(considered, group_size), rows_per_episode)
-        total_episodes = jnp.maximum(jnp.sum(considered).astype(jnp.float32) * group_size, 1.0)
-        metrics = {}
-        # One bucket at a time (lax.map): the buckets' forward and backward passes over the whole
-        # batch never hold their activations at once (unrolled, Sokoban's batch needed > 22 GB).
-        row_masks = jnp.stack([considered_rows if name == "all" else row_bucket == k for k, name in enumerate(names)])
-        measured_all, tokens_all = jax.lax.map(lambda m: measure(state, data, m), row_masks)
-        for k, name in enumerate(names):
-            groups = considered if name == "all" else buckets == k
-            episodes = jnp.sum(groups).astype(jnp.float32) * group_size
-            measured = {comp: (norm[k], value[k]) for comp, (norm, value) in measured_all.items()}
-            tokens = tokens_all[k]
-            p = f"{prefix}/{name}/"
-            for comp, (norm, value) in measured.items():
-                metrics[p + comp] = norm
-                metrics[p + "per_sample/" + comp] = norm / jnp.maximum(episodes, 1.0)
-                metrics[p + "per_token/" + comp] = norm / jnp.maximum(tokens, 1.0)
-                metrics[p + "loss/" + comp] = value
-            std_in = jnp.where(groups, group_std, 0.0)
-            metrics[p + "reward_std_mean"] = jnp.sum(std_in) / jnp.maximum(jnp.sum(groups), 1)
-            metrics[p + "reward_std_min"] = jnp.where(jnp.any(groups), jnp.min(jnp.where(groups, group_std, jnp.inf)), 0.0)
-            metrics[p + "reward_std_max"] = jnp.max(std_in)
-            metrics[p + "sample_count"] = episodes
-            metrics[p + "sample_pct"] = episodes / total_episodes
-        return metrics
 
     def analyse(state, traj: Trajectory):
         batch = traj.batch_size
@@ -161,7 +175,9 @@ def make_gradient_analysis(graphdefs, cfg, filter_cfg, *, group_size: int,
                                                             group_size)
             data, rows_per_episode = upd.update_batch(cfg, traj, train_mask, f.row_weights, old, advantages, returns,
                                                       rows)
-            metrics.update(analyse_one(state, data, rows_per_episode, group_std, considered, prefix))
+            measure = lambda m, data=data: measure_terms(graphdefs, cfg, shared_prefix_len, state, data, m)
+            metrics.update(analyse_buckets(measure, bucketing, num_buckets, group_size, data, rows_per_episode,
+                                           group_std, considered, prefix))
         return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
     if not jit:

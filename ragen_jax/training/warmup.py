@@ -319,6 +319,15 @@ def _phase_lr(peak: float, warm: int, decay_start: int, decay_steps: int) -> Cal
     return lr
 
 
+def bc_optimizer(lr: float) -> optax.GradientTransformation:
+    """The warm-up's AdamW (clipped at global norm 1, no weight decay). Its learning rate is set on the
+    host before every step: where phase 2's decay starts is only known once phase 1 has ended. The
+    moments and arithmetic are float32 whatever the weights' dtype (``in_float32``): with bfloat16
+    weights a bfloat16 second moment underflows to 0 and the first step's update is inf."""
+    return in_float32(optax.chain(optax.clip_by_global_norm(1.0),
+                                  optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.0)))
+
+
 def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict], None] | None = None,
                progress: bool = True, frozen=None, first_phase_only: bool = False,
                deadline: float | None = None) -> tuple[Any, dict]:
@@ -364,12 +373,7 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
                                    dataclasses.replace(warmup_cfg, steps=0) if first_phase_only else warmup_cfg)
     conv_steps = int(warmup_cfg.steps)  # the schedule's length counts phase 2 even when it is not run
     total = conv_steps + int(warmup_cfg.single_turn_steps)
-    # The learning rate is set on the host before every step: where phase 2's decay starts is only
-    # known once phase 1 has ended.
-    # AdamW's moments and arithmetic in float32 whatever the weights' dtype (``in_float32``): with
-    # bfloat16 weights a bfloat16 second moment underflows to 0 and the first step's update is inf.
-    tx = in_float32(optax.chain(optax.clip_by_global_norm(1.0),
-                                optax.inject_hyperparams(optax.adamw)(learning_rate=warmup_cfg.lr, weight_decay=0.0)))
+    tx = bc_optimizer(warmup_cfg.lr)
     # Initialised under jit: every leaf (the step counter too) lives on the devices of the params.
     run = _BCRun(params=params, opt_state=jax.jit(tx.init)(params), rng=np.random.default_rng(warmup_cfg.seed),
                  log_fn=log_fn, summary={})
