@@ -81,6 +81,28 @@ class FrozenLakeParams(EnvParams):
     # description (``FrozenLake.reasoning_reward``); 0 = none (RAGEN's rewards). Params batched for a
     # vmap over them (one value per env) need this one batched too.
     description_reward: chex.Array = 0.0  # float32 []
+    # Ours, not the original's: potential-based distance shaping (Ng et al., 1999), which leaves the
+    # optimal policy unchanged: + c * (d before - d after) a move, d = ``goal_distance`` (the fewest
+    # moves to the goal around the holes; a hole counts as size * size). 0 = none (RAGEN's rewards).
+    distance_shaping: chex.Array = 0.0  # float32 []
+
+
+def goal_distance(holes: chex.Array, goal: chex.Array) -> chex.Array:
+    """int32 ``[n, n]``: the fewest moves from each cell to ``goal`` without entering a hole (the goal
+    0; a hole, or a cell walled off by holes, ``n * n``): the potential of ``distance_shaping``.
+    Breadth-first search as ``n * n`` rounds of relaxation over the 4-neighbours."""
+    n = holes.shape[0]
+    far = n * n
+    cells = jnp.arange(n)
+    at_goal = (cells[:, None] == goal[0]) & (cells[None, :] == goal[1])
+    dist = jnp.where(at_goal, 0, far).astype(jnp.int32)
+
+    def relax(_, d):
+        pad = jnp.pad(d, 1, constant_values=far)
+        nearest = jnp.minimum(jnp.minimum(pad[:-2, 1:-1], pad[2:, 1:-1]), jnp.minimum(pad[1:-1, :-2], pad[1:-1, 2:]))
+        return jnp.where(holes, far, jnp.minimum(d, nearest + 1))
+
+    return jax.lax.fori_loop(0, far, relax, dist)
 
 
 def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
@@ -95,9 +117,10 @@ def check_params(params: FrozenLakeParams) -> FrozenLakeParams:
         v = np.asarray(value)
         if not np.all((v >= lo) & (v <= hi)):
             raise ValueError(f"FrozenLake: {name}={v} is outside [{lo}, {hi}]; pass a probability")
-    bonus = params.description_reward
-    if not isinstance(bonus, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(bonus))):
-        raise ValueError(f"FrozenLake: description_reward={np.asarray(bonus)} must be a finite number")
+    for name in ("description_reward", "distance_shaping"):
+        bonus = getattr(params, name)
+        if not isinstance(bonus, jax.core.Tracer) and not np.all(np.isfinite(np.asarray(bonus))):
+            raise ValueError(f"FrozenLake: {name}={np.asarray(bonus)} must be a finite number")
     steps = params.max_steps_in_episode
     if not isinstance(steps, jax.core.Tracer) and not np.all(np.asarray(steps) >= 1):
         raise ValueError(
@@ -344,12 +367,17 @@ class FrozenLake(DescriptionReward, Environment):
 
     # --- dynamics -------------------------------------------------------------------------
     def default_params(self, p: float = 0.9, success_rate: float = 0.8,
-                       max_steps_in_episode: int = 100, description_reward: float = 0.0) -> FrozenLakeParams:
+                       max_steps_in_episode: int = 100, description_reward: float = 0.0,
+                       distance_shaping: float = 0.0) -> FrozenLakeParams:
+        """``distance_shaping`` c adds ``c * (d_before - d_after)`` to each move's reward, ``d`` the fewest
+        moves to the goal around the holes (``goal_distance``): potential-based, so the optimal policy is
+        unchanged, and every move that gets nearer is paid even when the episode fails (ours)."""
         return check_params(FrozenLakeParams(
             p=jnp.float32(p),
             success_rate=jnp.float32(success_rate),
             max_steps_in_episode=jnp.int32(max_steps_in_episode),
             description_reward=jnp.float32(description_reward),
+            distance_shaping=jnp.float32(distance_shaping),
         ))
 
     def reset_env(self, key: chex.PRNGKey, params: FrozenLakeParams):
@@ -408,6 +436,9 @@ class FrozenLake(DescriptionReward, Environment):
         on_goal = self._on_goal(state, pos)
         terminated = on_goal | self._on_hole(state, pos)
         reward = (on_goal & ~was_terminal).astype(jnp.float32)
+        dist = goal_distance(state.holes, state.goal)
+        closer = (dist[state.pos[0], state.pos[1]] - dist[pos[0], pos[1]]).astype(jnp.float32)
+        reward = reward + params.distance_shaping * jnp.where(was_terminal, 0.0, closer)
         time = state.time + 1
         truncated = (time >= params.max_steps_in_episode) & ~terminated
         next_state = state.replace(time=time, pos=pos)
