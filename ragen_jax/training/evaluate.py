@@ -175,7 +175,7 @@ def _run_eval(spec) -> dict[str, float]:
     """``run_eval``'s body, under the workdir's lock."""
     if spec.model.remote:
         return _run_remote_eval(spec)
-    for note in check_eval_workdir(spec.config):  # refuses another env's or model's config
+    for note in check_eval_workdir(spec):  # refuses another env's or model's config
         print(f"note: {note}")
 
     run = setup(spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 from flax import nnx
@@ -20,25 +20,33 @@ from ragen_jax.starpo.gradient_analysis import make_gradient_analysis
 from ragen_jax.starpo.update import init_train_state, make_update_step
 from ragen_jax.training.build import build_env, build_model
 
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedTokenizerBase
+
+    from environments.core import EnvParams, Environment
+    from ragen_jax.models import ModelConfig
+    from ragen_jax.rollout.loop import Rollout
+    from ragen_jax.starpo.update import Graphdefs, TrainState
+
 
 @dataclasses.dataclass
 class Setup:
     """The compiled pieces of a run (built once by ``setup``)."""
 
-    tokenizer: Any
-    model_cfg: Any
-    env: Any
-    env_params: Any  # validation's and the warm-up's (``config.env``)
-    graphdefs: Any
-    train_state: Any
-    rollout: Any  # the StarPO training rollout, on ``train_env_params``
-    update: Callable
-    placement: Any  # ragen_jax.placement.Placement: the mesh every array lives on
-    state_shardings: Any  # the train state's layout on that mesh (checkpoints restore into it)
+    tokenizer: PreTrainedTokenizerBase
+    model_cfg: ModelConfig
+    env: Environment | HostEnv
+    env_params: EnvParams | None  # validation's and the warm-up's (``config.env``); None for a host env
+    graphdefs: Graphdefs
+    train_state: TrainState
+    rollout: Rollout  # the StarPO training rollout, on ``train_env_params``
+    update: Callable[..., tuple[TrainState, dict]]  # make_update_step's compiled StarPOUpdate
+    placement: Placement  # the mesh every array lives on
+    state_shardings: Any  # the train state's layout on that mesh, a TrainState of shardings (checkpoints restore into it)
     # The training rollouts' params (``config.train_env`` over ``config.env``; ``env_params`` when unset)
     # and the rollout of ``env_params`` the warm-up draws its demonstrations from (``rollout`` when unset).
-    train_env_params: Any = None
-    warmup_rollout: Any = None
+    train_env_params: EnvParams | None = None
+    warmup_rollout: Rollout | None = None
     # update_on_rows(W): the update with limited-context turn rows W wide (built once per W)
     update_on_rows: Callable[[int], Callable] | None = None
     # gradient_analysis(train_state, trajectory) -> metrics (trainer.gradient_analysis_every)

@@ -370,7 +370,7 @@ def _prepare_workdir(spec: RunSpec, placement) -> bool:
     verdict, error = 0, None
     if placement.is_main:
         try:
-            resume, notes = prepare_training_workdir(spec.config)
+            resume, notes = prepare_training_workdir(spec)
             for note in notes:
                 print(f"note: {note}")
             verdict = 1 if resume else 0

@@ -199,17 +199,18 @@ def move_aside(workdir: Path) -> Path:
     return target
 
 
-def prepare_training_workdir(config) -> tuple[bool, list[str]]:
-    """Check ``config.workdir`` against ``config`` (see the module docstring), then write its config.json.
+def prepare_training_workdir(spec) -> tuple[bool, list[str]]:
+    """Check the workdir of the resolved run ``spec`` (a ``RunSpec``) against its config (see the module
+    docstring), then write that config to config.json.
 
     Returns ``(resume, notes)``: whether to restore the latest checkpoint, and what to tell the user.
     Raises ``ConfigError`` for a run that must not start.
     """
-    workdir = Path(config.workdir)
-    t = config.trainer
+    workdir = Path(spec.workdir)
+    t = spec.trainer
     notes: list[str] = []
     steps = checkpoint_steps(workdir)
-    current = config_as_json(config)
+    current = config_as_json(spec.config)  # what the workdir keeps and compares: the whole config
     resume = False
     if steps and t.overwrite:
         notes.append(f"trainer.overwrite=True: the previous run (checkpoints {steps}) moved to {move_aside(workdir)}")
@@ -242,13 +243,14 @@ def prepare_training_workdir(config) -> tuple[bool, list[str]]:
     return resume, notes
 
 
-def check_eval_workdir(config) -> list[str]:
-    """``mode=eval``: refuse a config whose env or model is not the run's; report other differences."""
-    workdir = Path(config.workdir)
+def check_eval_workdir(spec) -> list[str]:
+    """``mode=eval`` of the resolved run ``spec``: refuse a config whose env or model is not the run's;
+    report other differences."""
+    workdir = Path(spec.workdir)
     saved = saved_config(workdir)
     if saved is None or not checkpoint_steps(workdir):
         return []
-    changes = run_changes(saved, config)
+    changes = run_changes(saved, spec.config)
     wrong = [c for c in changes if c[0].startswith(EVAL_MUST_MATCH)]
     if wrong:
         raise ConfigError(

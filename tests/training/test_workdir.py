@@ -12,7 +12,7 @@ import pytest
 
 from configs import frozen_lake
 from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
-from ragen_jax.config import ConfigError
+from ragen_jax.config import ConfigError, resolve
 from ragen_jax.training.workdir import (WorkdirLock, check_eval_workdir, config_as_json, explain_mismatch,
                                         prepare_training_workdir, trim_records)
 from tests.training.test_trainer import small_config
@@ -30,15 +30,19 @@ def _config(workdir, **over):
     return c
 
 
+def _spec(workdir, **over):
+    return resolve(_config(workdir, **over))
+
+
 def _fake_run(workdir, config, steps=(0, 25)):
     """A workdir as a run leaves it: config.json and step folders."""
     for s in steps:
         (Path(workdir) / "checkpoints" / str(s)).mkdir(parents=True)
-    (Path(workdir) / "config.json").write_text(json.dumps(config_as_json(config)))
+    (Path(workdir) / "config.json").write_text(json.dumps(config_as_json(resolve(config).config)))
 
 
 def test_fresh_workdir_starts_a_run_and_writes_config(tmp_path):
-    resume, notes = prepare_training_workdir(_config(tmp_path / "run"))
+    resume, notes = prepare_training_workdir(_spec(tmp_path / "run"))
     assert not resume and notes == []
     assert json.loads((tmp_path / "run" / "config.json").read_text())["env"]["size"] == 4
 
@@ -46,7 +50,7 @@ def test_fresh_workdir_starts_a_run_and_writes_config(tmp_path):
 def test_resume_false_on_an_existing_run_is_refused(tmp_path):
     _fake_run(tmp_path, _config(tmp_path))
     with pytest.raises(ConfigError) as e:
-        prepare_training_workdir(_config(tmp_path, **{"trainer.resume": False}))
+        prepare_training_workdir(_spec(tmp_path, **{"trainer.resume": False}))
     msg = str(e.value)
     assert "already holds a run" in msg and "[0, 25]" in msg and "--config.trainer.overwrite=True" in msg
     assert "--config.workdir" in msg
@@ -56,7 +60,7 @@ def test_overwrite_moves_the_old_run_aside(tmp_path):
     workdir = tmp_path / "run"
     _fake_run(workdir, _config(workdir))
     (workdir / "summary.json").write_text("{}")
-    resume, notes = prepare_training_workdir(_config(workdir, **{"trainer.overwrite": True, "env.size": 3}))
+    resume, notes = prepare_training_workdir(_spec(workdir, **{"trainer.overwrite": True, "env.size": 3}))
     assert not resume and "moved to" in notes[0]
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert len(aside) == 1 and (aside[0] / "checkpoints" / "25").is_dir() and (aside[0] / "summary.json").exists()
@@ -67,7 +71,7 @@ def test_overwrite_moves_the_old_run_aside(tmp_path):
 def test_changed_run_config_is_refused_naming_every_key(tmp_path):
     _fake_run(tmp_path, _config(tmp_path))
     with pytest.raises(ConfigError) as e:
-        prepare_training_workdir(_config(tmp_path, **{"env.size": 3, "seed": 7, "starpo.actor_lr": 1e-4}))
+        prepare_training_workdir(_spec(tmp_path, **{"env.size": 3, "seed": 7, "starpo.actor_lr": 1e-4}))
     msg = str(e.value)
     for fragment in ("env.size: 4 -> 3", "seed: 0 -> 7", "starpo.actor_lr: 0.00025 -> 0.0001",
                      "trainer.total_steps"):
@@ -78,7 +82,7 @@ def test_changed_run_config_is_refused_naming_every_key(tmp_path):
 
 def test_safe_changes_resume_and_are_reported(tmp_path):
     _fake_run(tmp_path, _config(tmp_path))
-    resume, notes = prepare_training_workdir(_config(tmp_path, **{"trainer.total_steps": 300,
+    resume, notes = prepare_training_workdir(_spec(tmp_path, **{"trainer.total_steps": 300,
                                                                  "trainer.eval_every": 50,
                                                                  "trainer.time_limit_minutes": 30.0}))
     assert resume
@@ -89,26 +93,26 @@ def test_safe_changes_resume_and_are_reported(tmp_path):
 
 def test_a_key_added_after_the_run_resumes_at_its_default_only(tmp_path):
     """A run saved before ``rollout.prefill_pieces`` existed (its config.json lacks the key)."""
-    saved = config_as_json(_config(tmp_path))
+    saved = config_as_json(_spec(tmp_path).config)
     del saved["rollout"]["prefill_pieces"]
     (tmp_path / "checkpoints" / "25").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     # At the default (4, RolloutConfig's), the resumed run computes what the saved one did.
-    assert prepare_training_workdir(_config(tmp_path)) == (True, [])
+    assert prepare_training_workdir(_spec(tmp_path)) == (True, [])
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=r"rollout\.prefill_pieces: '<unset>' -> 2"):
-        prepare_training_workdir(_config(tmp_path, **{"rollout.prefill_pieces": 2}))
+        prepare_training_workdir(_spec(tmp_path, **{"rollout.prefill_pieces": 2}))
 
 
 def test_eval_with_another_envs_config_is_refused(tmp_path):
     _fake_run(tmp_path, _config(tmp_path))
     with pytest.raises(ConfigError, match=r"env\.size: 4 -> 3"):
-        check_eval_workdir(_config(tmp_path, **{"mode": "eval", "env.size": 3}))
+        check_eval_workdir(_spec(tmp_path, **{"mode": "eval", "env.size": 3}))
     with pytest.raises(ConfigError, match=r"model\.tiny\.hidden_size: 64 -> 32"):
-        check_eval_workdir(_config(tmp_path, **{"mode": "eval", "model.tiny.hidden_size": 32}))
+        check_eval_workdir(_spec(tmp_path, **{"mode": "eval", "model.tiny.hidden_size": 32}))
     # eval.* may change; other rollout settings are reported.
-    assert check_eval_workdir(_config(tmp_path, **{"mode": "eval", "eval.num_episodes": 16})) == []
-    notes = check_eval_workdir(_config(tmp_path, **{"mode": "eval", "rollout.max_turns": 4}))
+    assert check_eval_workdir(_spec(tmp_path, **{"mode": "eval", "eval.num_episodes": 16})) == []
+    notes = check_eval_workdir(_spec(tmp_path, **{"mode": "eval", "rollout.max_turns": 4}))
     assert notes and "rollout.max_turns: 3 -> 4" in notes[0]
 
 
