@@ -33,6 +33,8 @@ HOST_REGISTRY = {
     "alfworld": "environments.text.adapters:ALFWorld",
     "code": "environments.code.env:CodeEnv",
     "lean": "environments.code.lean:LeanEnv",
+    # A task solved through tools (Search-R1 style: the BM25 search tool over the shipped QA data).
+    "tool_search": "ragen_jax.tools.env:ToolSearchQA",
 }
 
 # The original's tag names (config/envs.yaml) -> (environment, its settings there).

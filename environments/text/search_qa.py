@@ -105,7 +105,7 @@ class SearchQA:
         elif retrieval_url:
             self.retriever = retrieval.HTTPRetriever(retrieval_url)
         else:
-            self.retriever = _shared_bm25(corpus_path)
+            self.retriever = shared_bm25(corpus_path)
         self.max_steps, self.max_results, self.max_chars = int(max_steps), int(max_search_results), int(max_total_chars)
         self.correct_reward, self.f1_threshold = float(correct_reward), float(f1_threshold)
         self.steps = 0
@@ -148,7 +148,7 @@ class SearchQA:
 _BM25_CACHE: dict = {}
 
 
-def _shared_bm25(corpus_path):
+def shared_bm25(corpus_path):
     """One index per corpus in the process (a HostEnv holds one env per batch row)."""
     key = str(data_file(corpus_path, retrieval.DEFAULT_CORPUS, "corpus_path"))
     if key not in _BM25_CACHE:

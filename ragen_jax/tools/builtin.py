@@ -76,12 +76,14 @@ def calculator(expression: str) -> str:
     return str(calculate(expression))
 
 
-def search_tool(retriever=None, top_k: int = 3, timeout_s: float = 10.0) -> Tool:
+def search_tool(retriever=None, top_k: int = 3, timeout_s: float = 10.0, max_chars: int = 4000) -> Tool:
     """A ``search(query)`` tool over ``retriever`` (``environments.text.retrieval``: ``BM25Retriever``
-    over the shipped corpus by default, or an ``HTTPRetriever`` of a retrieval server)."""
-    from environments.text.retrieval import BM25Retriever, format_results
+    over the shipped corpus by default, one index per process, or an ``HTTPRetriever`` of a retrieval
+    server); the passages it returns are cut to ``max_chars`` in all."""
+    from environments.text.retrieval import format_results
+    from environments.text.search_qa import shared_bm25
 
-    index = retriever if retriever is not None else BM25Retriever()
+    index = retriever if retriever is not None else shared_bm25(None)
 
     def search(query: str) -> str:
         """Search the knowledge corpus and return the most relevant passages.
@@ -89,7 +91,7 @@ def search_tool(retriever=None, top_k: int = 3, timeout_s: float = 10.0) -> Tool
         Args:
           query: what to look for, in a few words.
         """
-        return format_results(index.search(query, top_k=top_k), max_results=top_k)
+        return format_results(index.search(query, top_k=top_k), max_results=top_k, max_total_chars=max_chars)
 
     return tool(search, timeout_s=timeout_s)
 

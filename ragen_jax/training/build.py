@@ -76,9 +76,11 @@ def build_env(spec: RunSpec, tokenizer=None):
             raise ValueError(f"{spec.env_name} is a Python text environment: build_env needs the tokenizer")
         cls = environments.env_class(spec.env_name)
         kwargs = dict(spec.env_kwargs)
-        cls(**kwargs)  # fail now, naming the missing file or setting, rather than inside the first rollout
+        # Built once now: fails naming the missing file or setting, rather than inside the first rollout;
+        # and its instruction may depend on the settings (a tool environment lists its tools' schemas).
+        probe = cls(**kwargs)
         env = HostEnv(lambda: cls(**kwargs), tokenizer, action_names=cls.action_names,
-                      batch_size=spec.rollout.batch_size, instruction=cls.instruction,
+                      batch_size=spec.rollout.batch_size, instruction=probe.instruction,
                       max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)),
                       step_timeout_s=float(spec.env_param_kwargs.get("step_timeout_s", 600.0)))
         env.name = spec.env_name

@@ -197,3 +197,33 @@ def test_python_tool_runs_in_the_sandbox():
     assert ok.content == "45"
     assert "[timeout]" in loop.content or "[killed]" in loop.content
     assert "[exit code 3]" in crash.content
+
+
+def test_tool_env_a_scripted_policy_solves_questions_through_the_search_tool():
+    """A scripted policy: search the question's person, read the answer off the passage, finish.
+    Reward by exact match; the tool output comes back as <tool_response> text."""
+    pytest.importorskip("bm25s")
+    from ragen_jax.tools.env import ToolSearchQA
+
+    env = ToolSearchQA(max_turns=4, max_tool_calls=2)
+    assert '"name": "search"' in env.instruction and "<tool_call>" in env.instruction
+    obs = env.reset(0)
+    assert obs == "Question: In which town was Anouk Brennan born?"
+    call = '<tool_call>{"name": "search", "arguments": {"query": "Anouk Brennan born"}}</tool_call>'
+    text, reward, done, info = env.step(call)
+    assert text.startswith("<tool_response>") and "Kessock" in text and reward == 0.0 and not done
+    assert info["action_is_valid"]
+    text, reward, done, info = env.step("finish[Kessock]")
+    assert reward == 1.0 and done and info["success"]
+    # A wrong answer, a malformed call (format failure, with feedback), the tool budget, the turn limit.
+    env.reset(0)
+    assert env.step("finish[Paris]")[1:3] == (0.0, True)
+    env.reset(0)
+    text, _, done, info = env.step('<tool_call>{"name": "search", "arguments": {"query": }}</tool_call>')
+    assert "not valid JSON" in text and not info["action_is_valid"] and not done
+    env.step(call)
+    text, _, done, _ = env.step(call)
+    assert "tool budget" in text and not done
+    text, _, done, _ = env.step(call)
+    assert done and "tool budget" in text  # the fourth turn is the last
+    assert env.take_counters() == {"tool_calls": 3, "tool_errors": 0, "malformed_calls": 1}  # since the start

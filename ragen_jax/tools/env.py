@@ -1,0 +1,125 @@
+"""A task solved through tools, as a multi-turn host environment (``HostEnv``: text in, text out).
+
+Each turn the model's answer either calls tools — the calls in the configured format (``hermes``:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several per turn) — or gives its final
+answer (``finish[...]``, or any text without a call). Tool calls run (``run_calls``: in parallel,
+timeouts and errors returned as text) and their outputs come back as the next observation, each in
+``<tool_response>`` tags; they are environment text, so never part of the loss. The final answer is
+scored by the task's reward function and ends the episode, as do ``max_turns`` turns or a call past
+the episode's tool budget (``max_tool_calls``; that turn is answered with a note instead). A call
+that does not parse is a format failure (``action_is_valid`` False, the rollout's format penalty)
+with feedback saying what was wrong.
+
+``ToolSearchQA`` is the Search-R1-style task: the shipped QA data (``environments/data/
+search_*.jsonl``: one- and two-hop questions about fictional people and towns) with the BM25
+``search`` tool, rewarded by exact match (F1 above 0.3 earns partial credit), as ``SearchQA``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable, Sequence
+
+from ragen_jax.tools.calls import parse_calls, run_calls
+from ragen_jax.tools.schema import Tool
+
+_FINISH = re.compile(r"^\s*(?:finish|answer)\[(.*)\]\s*$", flags=re.DOTALL)
+
+
+def tools_instruction(tools: Sequence[Tool], task: str) -> str:
+    """The system prompt's tool section, in the words Qwen2.5's chat template uses for ``tools=``."""
+    schemas = "\n".join(json.dumps(t.schema, ensure_ascii=False) for t in tools)
+    return (f"{task}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{schemas}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>\n"
+            "Think inside <think> </think>. Put your tool calls, or your final answer as finish[your answer], "
+            "inside <answer> </answer>.\n")
+
+
+class ToolEnv:
+    """Tools + tasks + a reward function as a host environment (see the module docstring).
+
+    ``tasks``: rows with a ``question`` and a ``ground_truth``; ``reward_fn(answer, ground_truth) ->
+    (reward, exact)``. ``fmt``: the call format (``TOOL_CALL_PARSERS``).
+    """
+
+    action_names = None
+
+    def __init__(self, tools: Sequence[Tool], tasks: Sequence[dict], reward_fn: Callable, *, task_text: str,
+                 fmt: str = "hermes", max_turns: int = 6, max_tool_calls: int = 4):
+        if not tools:
+            raise ValueError("ToolEnv needs at least one tool")
+        if not tasks:
+            raise ValueError("ToolEnv needs at least one task (rows with 'question' and 'ground_truth')")
+        self.tools = {t.name: t for t in tools}
+        self.tasks, self.reward_fn, self.fmt = list(tasks), reward_fn, fmt
+        self.max_turns, self.max_tool_calls = int(max_turns), int(max_tool_calls)
+        self.instruction = tools_instruction(tools, task_text)
+        self.turns = self.calls_made = 0
+        self.task = None
+        self.counts = {"tool_calls": 0, "tool_errors": 0, "malformed_calls": 0}
+
+    def reset(self, seed: int) -> str:
+        self.task = self.tasks[int(seed) % len(self.tasks)]
+        self.turns = self.calls_made = 0
+        return f"Question: {self.task['question']}"
+
+    def take_counters(self) -> dict:
+        out, self.counts = self.counts, {k: 0 for k in self.counts}
+        return out
+
+    def _final(self, answer: str, valid: bool):
+        reward, exact = self.reward_fn(answer, self.task["ground_truth"])
+        return (f"Your answer: {answer}. Reward: {reward:.2f}", float(reward), True,
+                {"action_is_valid": valid, "action_is_effective": True, "success": bool(exact or reward > 0)})
+
+    def step(self, action: str):
+        self.turns += 1
+        action = action or ""
+        calls = parse_calls(action, self.fmt)
+        if not calls:
+            finish = _FINISH.match(action)
+            return self._final(finish.group(1).strip() if finish else action.strip(), valid=bool(finish))
+        out_of_turns = self.turns >= self.max_turns
+        if self.calls_made + len(calls) > self.max_tool_calls:
+            return (f"The tool budget of this episode ({self.max_tool_calls} calls) is used up: "
+                    "answer now with finish[your answer].", 0.0, out_of_turns,
+                    {"action_is_valid": True, "action_is_effective": False, "success": False})
+        self.calls_made += len(calls)
+        results = run_calls(calls, self.tools)
+        malformed = sum(bool(c.error) for c in calls)
+        self.counts["tool_calls"] += len(calls)
+        self.counts["malformed_calls"] += malformed
+        self.counts["tool_errors"] += sum(bool(r.error) for r in results) - malformed
+        text = "\n".join(f"<tool_response>\n{r.content}\n</tool_response>" for r in results)
+        if out_of_turns:
+            text += "\nNo turns left: the episode ended without an answer."
+        return text, 0.0, out_of_turns, {"action_is_valid": malformed == 0,
+                                         "action_is_effective": malformed < len(calls), "success": False}
+
+
+class ToolSearchQA(ToolEnv):
+    """Search-R1-style question answering with the BM25 ``search`` tool over the shipped corpus (see the
+    module docstring); ``retrieval_url`` searches a retrieval server instead."""
+
+    def __init__(self, questions_path: str | None = None, corpus_path: str | None = None,
+                 retrieval_url: str | None = None, max_turns: int = 6, max_tool_calls: int = 4, top_k: int = 2,
+                 max_result_chars: int = 1500, correct_reward: float = 1.0, f1_threshold: float = 0.3,
+                 split: str = "train", fmt: str = "hermes"):
+        from environments.text import data_file, load_records
+        from environments.text import retrieval
+        from environments.text.search_qa import DEFAULT_QUESTIONS, shared_bm25, score_answer
+        from ragen_jax.tools.builtin import search_tool
+
+        rows = load_records(data_file(questions_path, DEFAULT_QUESTIONS, "questions_path"),
+                            ("question", "ground_truth"), "questions_path")
+        if "split" in rows[0]:
+            rows = [r for r in rows if r["split"] == split] or rows
+        retriever = retrieval.HTTPRetriever(retrieval_url) if retrieval_url else shared_bm25(corpus_path)
+        search = search_tool(retriever, top_k=top_k, max_chars=max_result_chars)
+        super().__init__([search], rows, lambda a, t: score_answer(a, t, correct_reward, f1_threshold),
+                         task_text="Answer the user's question. Search the knowledge corpus for the facts you need.",
+                         fmt=fmt, max_turns=max_turns, max_tool_calls=max_tool_calls)
