@@ -81,9 +81,9 @@ class FrozenLakeParams(EnvParams):
     # description (``FrozenLake.reasoning_reward``); 0 = none (RAGEN's rewards). Params batched for a
     # vmap over them (one value per env) need this one batched too.
     description_reward: chex.Array = 0.0  # float32 []
-    # Ours, not the original's: potential-based distance shaping (Ng et al., 1999), which leaves the
-    # optimal policy unchanged: + c * (d before - d after) a move, d = ``goal_distance`` (the fewest
-    # moves to the goal around the holes; a hole counts as size * size). 0 = none (RAGEN's rewards).
+    # Ours, not the original's: distance shaping, + c * (d before - d after) a move, d = ``goal_distance``
+    # (the fewest moves to the goal around the holes); potential-based (Ng et al., 1999) on the frozen
+    # cells, and a move into a hole counts as one move away (-c). 0 = none (RAGEN's rewards).
     distance_shaping: chex.Array = 0.0  # float32 []
 
 
@@ -370,8 +370,8 @@ class FrozenLake(DescriptionReward, Environment):
                        max_steps_in_episode: int = 100, description_reward: float = 0.0,
                        distance_shaping: float = 0.0) -> FrozenLakeParams:
         """``distance_shaping`` c adds ``c * (d_before - d_after)`` to each move's reward, ``d`` the fewest
-        moves to the goal around the holes (``goal_distance``): potential-based, so the optimal policy is
-        unchanged, and every move that gets nearer is paid even when the episode fails (ours)."""
+        moves to the goal around the holes (``goal_distance``), a move into a hole counting as one move
+        away: every move that gets nearer is paid even when the episode fails (ours)."""
         return check_params(FrozenLakeParams(
             p=jnp.float32(p),
             success_rate=jnp.float32(success_rate),
@@ -437,8 +437,12 @@ class FrozenLake(DescriptionReward, Environment):
         terminated = on_goal | self._on_hole(state, pos)
         reward = (on_goal & ~was_terminal).astype(jnp.float32)
         dist = goal_distance(state.holes, state.goal)
-        closer = (dist[state.pos[0], state.pos[1]] - dist[pos[0], pos[1]]).astype(jnp.float32)
-        reward = reward + params.distance_shaping * jnp.where(was_terminal, 0.0, closer)
+        before = dist[state.pos[0], state.pos[1]]
+        # A move into a hole counts as one move away (-c), not as the potential's far value: with the
+        # hole at n * n, bumping into a wall (0) was the safest reply and a SmolLM2 policy collapsed
+        # onto it within 8 StarPO steps.
+        after = jnp.where(state.holes[pos[0], pos[1]], before + 1, dist[pos[0], pos[1]])
+        reward = reward + params.distance_shaping * jnp.where(was_terminal, 0.0, (before - after).astype(jnp.float32))
         time = state.time + 1
         truncated = (time >= params.max_steps_in_episode) & ~terminated
         next_state = state.replace(time=time, pos=pos)
