@@ -22,7 +22,7 @@ def test_train_env_sets_the_training_params_over_the_env_ones():
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("scramble_depth", 3, r"train_env\.scramble_depth is not a param of frozen_lake.*allowed: \['description_reward', 'max_steps_in_episode', 'p', 'success_rate'\]"),
+    ("scramble_depth", 3, r"train_env\.scramble_depth is not a param of frozen_lake.*allowed: \['description_reward', 'distance_shaping', 'max_steps_in_episode', 'p', 'success_rate'\]"),
     ("p", 1.5, r"train_env\.p=1\.5.*outside \[0\.0, 1\.0\]"),
 ])
 def test_train_env_refuses_what_the_env_does_not_take(key, value, match):

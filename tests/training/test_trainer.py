@@ -330,14 +330,17 @@ def test_ratio_is_scored_at_the_sampling_temperature(tmp_path):
     temperature 1 they would not."""
     from ragen_jax.training.trainer import train
 
+    # Every group kept: the update's single pass measures the agreement on the rows it trains on, and
+    # this untrained model's groups all score alike (the SNR filter would drop them all).
+    keep = {"filter.value": 1.0, "filter.include_zero": True}
     spec = small_config(tmp_path / "t07", total_steps=1, **{"rollout.temperature": 0.7, "warmup.steps": 0,
-                                                             "warmup.single_turn_steps": 0})
+                                                             "warmup.single_turn_steps": 0, **keep})
     assert spec.starpo.logprob_temperature == 0.7
     train(spec)
     diff = read_scalars(tmp_path / "t07" / "tensorboard")["actor/sampler_logprob_abs_diff_max"][-1][1]
     assert diff < 1e-4, diff
     off = small_config(tmp_path / "t1", total_steps=1, **{"rollout.temperature": 0.7, "starpo.logprob_temperature": 1.0,
-                                                           "warmup.steps": 0, "warmup.single_turn_steps": 0})
+                                                           "warmup.steps": 0, "warmup.single_turn_steps": 0, **keep})
     with pytest.warns(UserWarning, match="off-policy: starpo.logprob_temperature=1.0 differs"):
         small_config(tmp_path / "t1b", total_steps=1, **{"rollout.temperature": 0.7, "starpo.logprob_temperature": 1.0})
     train(off)
