@@ -142,7 +142,7 @@ def measure(cfg, repeats: int, validate: bool = True) -> dict:
             rows["validation"].append(validation_s)
     best = {k: min(v) for k, v in rows.items()}
     num_mini, _ = s.mini_batch_layout(traj.tokens.shape[0])
-    if U.is_single_pass(s, spec.filter, num_mini):
+    if U.is_single_pass(s, spec.filter, num_mini, per_turn is not None):
         # One optimizer step from the sampling parameters: the update takes its old log-probs from
         # its own loss pass (no scoring forward), so the separate scoring time is not part of it.
         best["single_pass"] = 1.0

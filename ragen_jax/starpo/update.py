@@ -406,16 +406,18 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
     return micro_loss, critic_values
 
 
-def is_single_pass(cfg, filter_cfg, num_mini: int) -> bool:
+def is_single_pass(cfg, filter_cfg, num_mini: int, per_turn: bool) -> bool:
     """True when the update is one optimizer step on the whole batch from the parameters that sampled it
     (one epoch, one mini-batch) and nothing else reads the pre-update scores: no critic, no reference, no
-    KL in the reward, no entropy-based SNR filter. The old log-probs are then exactly the loss pass's
-    own (ratio 1), so the separate scoring forward is skipped: a third less compute, the same update
-    (Tunix's GRPO learner with ``num_iterations=1`` makes the same saving). On per-turn rows the loss
-    pass scores each turn on its own window, as the scoring pass would."""
+    KL in the reward, no entropy-based SNR filter, whole transcripts. The old log-probs are then exactly
+    the loss pass's own (ratio 1), so the separate scoring forward is skipped: a third less compute,
+    the same update (Tunix's GRPO learner with ``num_iterations=1`` makes the same saving).
+    Per-turn rows keep the scoring pass: the single pass measures the sampler agreement only on the
+    rows it trains on, and a batch the filter empties would then report none; on the SmolLM2 step
+    the single pass saved 2 of 42 s (``benchmarks/results_llm_step.md``)."""
     return (cfg.ppo_epochs == 1 and num_mini == 1 and cfg.critic_mode == "none" and not cfg.uses_reference
             and not cfg.kl_in_reward and snr_filter.GROUP_SCORES.get(filter_cfg.metric).source != "entropy"
-            and not losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams))
+            and not per_turn and not losses.needs_batch_statistics(cfg.policy_loss, cfg.policy_loss_hparams))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -778,7 +780,7 @@ def plan_update(cfg, filter_cfg, traj: Trajectory, rows, *, group_size: int, sin
                          f"group_size={group_size}.")
     num_mini, mini_size = cfg.mini_batch_layout(batch)
     num_micro, micro_size = cfg.micro_batch_layout(mini_size)
-    single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini)
+    single = single_pass is not False and is_single_pass(cfg, filter_cfg, num_mini, rows is not None)
     # The most loss tokens a row holds (a turn row: one reply; a transcript: one per turn).
     max_scored = reply_tokens * (1 if rows is not None else traj.max_turns) if cfg.logprobs_at == "loss_tokens" else 0
     return UpdatePlan(batch=batch, num_groups=batch // group_size, num_mini=num_mini, mini_size=mini_size,
