@@ -11,6 +11,12 @@ setup(
     packages=find_packages(include=["environments", "environments.*", "ragen_jax", "ragen_jax.*"]),
     package_data={"ragen_jax": ["assets/**/*", "models/kernels/*.cc", "models/kernels/*.h"], "environments": ["data/*.jsonl"]},
     include_package_data=True,
+    # The offline tools (ragen_jax/offline/): each reads a run's outputs, never runs inside training.
+    entry_points={"console_scripts": [
+        "ragen-eval-analysis=ragen_jax.offline.eval_analysis:cli",
+        "ragen-gradient-report=ragen_jax.offline.gradient_report:cli",
+        "ragen-build-tiny-tokenizer=ragen_jax.offline.build_tiny_tokenizer:cli",
+    ]},
     install_requires=[
         # Two JAX lines: 0.10.x (the newest that installs on Python 3.11) and 0.11.x (Python 3.12,
         # what accelerator images ship); pip picks the one the interpreter allows.

@@ -351,7 +351,7 @@ class FilterConfig(Section):
     ``start_replay_fraction`` (unsolved-start replay, a form of Prioritized Level Replay; 0 = off): up to
     this share of each step's groups replay start states that an earlier group did not solve in every
     episode, oldest first; a start is replayed at most ``start_replay_max_uses`` times, and the queue
-    keeps the newest ``start_replay_capacity`` (``training.start_replay``).
+    keeps the newest ``start_replay_capacity`` (``starpo.start_replay``).
     """
 
     KEY = "filter"

@@ -258,7 +258,7 @@ class Rollout:
     def from_starts(self, params, group_key_data, sample_key, forced: ForcedReplies | None = None) -> Trajectory:
         """The step's rollout from chosen group starts: ``group_key_data`` uint32 ``[num_groups, key
         words]`` (reset-key data, each shared by its group) and ``sample_key``. ``rollout(params, key)``
-        is this with the keys it draws from ``key`` (``training.start_replay`` replaces some)."""
+        is this with the keys it draws from ``key`` (``starpo.start_replay`` replaces some)."""
         c = self.config
         group_key_data = np.asarray(group_key_data, np.uint32)
         if group_key_data.ndim != 2 or group_key_data.shape[0] != c.num_groups:

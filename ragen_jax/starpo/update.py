@@ -475,10 +475,10 @@ def sampler_agreement(cfg, old: dict, traj: Trajectory, loss_mask: jax.Array) ->
     reference KL: the first metrics of an update."""
     sampled = loss_mask & traj.valid_mask
     diff = jnp.abs(old["logp"] - traj.sampler_logprobs)
-    metrics = {"actor/sampler_logprob_abs_diff_mean": adv_lib.masked_mean(diff, sampled),
+    metrics = {"actor/sampler_logprob_abs_diff_mean": reductions.masked_mean(diff, sampled),
                "actor/sampler_logprob_abs_diff_max": jnp.max(jnp.where(sampled, diff, 0.0))}
     if cfg.uses_reference:
-        metrics["actor/ref_kl"] = adv_lib.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
+        metrics["actor/ref_kl"] = reductions.masked_mean(old["logp"] - old["ref_logp"], loss_mask)
     return metrics
 
 

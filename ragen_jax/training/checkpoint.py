@@ -13,10 +13,14 @@ A checkpoint damaged afterwards (a truncated data file, deleted metadata) is ski
 favour of the newest one that restores (``restore_latest_intact``), and one that does not fit the
 model being restored into is reported by array path and shape before any data is read.
 Typed PRNG keys are stored as their raw ``key_data`` and re-wrapped on restore.
+
+``restore_train_state`` is the one way a run's ``TrainState`` comes back: the trainer's resume,
+``mode=eval``, ``mode=export`` and the server all go through it.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -28,6 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from ragen_jax.starpo.train_state import saved_part, with_base
+from ragen_jax.training.workdir import explain_mismatch
 
 
 def _is_typed_key(x) -> bool:
@@ -253,6 +260,40 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A run's state read back: ``train_state`` in the layout of the state it was restored into
+    (a LoRA run's frozen base taken from there), the host ``meta``, the checkpoint's ``step``, and the
+    damaged checkpoints ``skipped`` on the way as ``(step, reason)``."""
+
+    train_state: Any
+    meta: dict
+    step: int
+    skipped: list[tuple[int, str]]
+
+
+def restore_train_state(ckpt: Checkpointer, fresh: Any, config, step: int | None = None, *,
+                        set_aside: bool = True) -> Restored:
+    """Checkpoint ``step`` of ``ckpt`` (None: the newest that reads back whole, damaged ones skipped
+    and, with ``set_aside``, moved to ``<dir>.damaged/``) restored into the structure, dtypes and
+    shardings of ``fresh`` (this run's initial ``TrainState``); a LoRA run's adapters go back onto
+    ``fresh``'s base. A checkpoint that does not fit raises ``CheckpointMismatch`` naming the
+    ``config`` keys that differ from the run's own; a ``step`` it does not hold, ``NoIntactCheckpoint``."""
+    like = saved_part(fresh)
+    try:
+        if step is None:
+            state, meta, step, skipped = ckpt.restore_latest_intact(like, set_aside=set_aside)
+        else:
+            steps = ckpt.all_steps()
+            if step not in steps:
+                raise NoIntactCheckpoint(
+                    f"{ckpt.directory} has no checkpoint {step}; it holds steps {', '.join(map(str, steps)) or 'none'}")
+            (state, meta, step), skipped = ckpt.restore(like, step), []
+    except CheckpointMismatch as e:
+        raise CheckpointMismatch(f"{e}. {explain_mismatch(config)}") from None
+    return Restored(with_base(state, fresh), meta, step, skipped)
 
 
 def _jsonable(x: Any) -> Any:

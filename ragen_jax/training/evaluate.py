@@ -32,12 +32,12 @@ from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.chat import split_conversation
 from ragen_jax.rollout.loop import make_rollout, validation_keys
 from ragen_jax.rollout.remote import ChatClient
-from ragen_jax.starpo.train_state import policy_params, saved_part, with_base
+from ragen_jax.starpo.train_state import policy_params
 from ragen_jax.training.build import build_env, build_tokenizer
-from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer, NoIntactCheckpoint
+from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint, restore_train_state
 from ragen_jax.training.metrics import describes_state_rates
 from ragen_jax.training.run import setup
-from ragen_jax.training.workdir import WorkdirLock, check_eval_workdir, explain_mismatch
+from ragen_jax.training.workdir import WorkdirLock, check_eval_workdir
 
 
 class Evaluator:
@@ -258,22 +258,17 @@ def _run_remote_eval(spec) -> dict[str, float]:
 
 def checkpointed_policy(cfg, run, ckpt, step=None):
     """``(policy state, step)`` of checkpoint ``step`` (None: the newest intact one, damaged ones
-    named) restored into ``run``'s layout; a LoRA run's adapters go back onto its loaded base."""
+    named and left in place) restored into ``run``'s layout (``checkpoint.restore_train_state``)."""
     try:
+        restored = restore_train_state(ckpt, run.train_state, cfg, step, set_aside=False)
+    except NoIntactCheckpoint as e:
         if step is None:
-            state, _, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state), set_aside=False)
-            for bad, reason in skipped:
-                print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped: {reason}")
-        else:
-            steps = ckpt.all_steps()
-            if step not in steps:
-                raise NoIntactCheckpoint(
-                    f"eval.checkpoint_step={step}: {ckpt.directory} has no checkpoint {step}; it holds steps "
-                    f"{', '.join(map(str, steps)) or 'none'} (leave eval.checkpoint_step unset for the newest)")
-            state, _, step = ckpt.restore(saved_part(run.train_state), step)
-    except CheckpointMismatch as e:
-        raise CheckpointMismatch(f"{e}. {explain_mismatch(cfg)}") from None
-    return policy_params(with_base(state, run.train_state)), step
+            raise
+        raise NoIntactCheckpoint(f"eval.checkpoint_step={step}: {e} (leave eval.checkpoint_step unset for the "
+                                 "newest)") from None
+    for bad, reason in restored.skipped:
+        print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped: {reason}")
+    return policy_params(restored.train_state), restored.step
 
 
 def run_export(spec) -> str:

@@ -28,11 +28,11 @@ import numpy as np
 from ragen_jax.config import ConfigError, RunSpec
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
-from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part, with_base
-from ragen_jax.training import dynamic_sampling
+from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part
+from ragen_jax.starpo import dynamic_sampling
 from ragen_jax.training.paired import mean_se, sign_flip_p
-from ragen_jax.training.start_replay import StartReplay
-from ragen_jax.training.checkpoint import CheckpointMismatch, Checkpointer
+from ragen_jax.starpo.start_replay import StartReplay
+from ragen_jax.training.checkpoint import Checkpointer, restore_train_state
 from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
@@ -40,7 +40,7 @@ from ragen_jax.training.run import Setup, make_placement, setup
 from ragen_jax.training.warmup import run_warmup
 from ragen_jax.training.warmup_cache import WarmupCache
 from ragen_jax.training.wandb_sink import WandbSink
-from ragen_jax.training.workdir import (WorkdirLock, config_as_json, explain_mismatch, prepare_training_workdir,
+from ragen_jax.training.workdir import (WorkdirLock, config_as_json, prepare_training_workdir,
                                         trim_records)
 
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
@@ -258,12 +258,12 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
     multiple of it (``starpo.seq_len_multiple``); in limited context its per-turn rows are cut to
     the widest window the same way (one compiled update per width). ``dynamic_sampling_rounds`` > 0:
-    DAPO's dynamic sampling refills the batch with informative groups (``training.dynamic_sampling``);
+    DAPO's dynamic sampling refills the batch with informative groups (``starpo.dynamic_sampling``);
     the ``train/*`` statistics stay those of the step's first rollout (the policy as it plays).
     ``analyse_gradients``: run ``run.gradient_analysis`` on the batch before the update (its
     ``grad_norm*/`` metrics join the step's; timed as ``timing_s/gradient_analysis``).
     ``start_replay``: some groups replay unsolved starts from its queue, and this rollout's unsolved
-    groups join it (``training.start_replay``; logged as ``rollout/replayed_*``).
+    groups join it (``starpo.start_replay``; logged as ``rollout/replayed_*``).
 
     Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
@@ -396,13 +396,10 @@ def _make_evaluator(spec: RunSpec, run: Setup):
 def _resume(spec: RunSpec, run: Setup, ckpt: Checkpointer):
     """``(train_state, host, step)`` from the newest intact checkpoint (damaged ones are skipped),
     restored into this run's layout whatever mesh wrote it."""
-    try:
-        train_state, meta, step, skipped = ckpt.restore_latest_intact(saved_part(run.train_state))
-        train_state = with_base(train_state, run.train_state)
-    except CheckpointMismatch as e:
-        raise CheckpointMismatch(f"{e}. {explain_mismatch(spec.config)}") from None
+    restored = restore_train_state(ckpt, run.train_state, spec.config)
+    train_state, meta, step = restored.train_state, restored.meta, restored.step
     if run.placement.is_main:
-        for bad, reason in skipped:
+        for bad, reason in restored.skipped:
             print(f"warning: checkpoint {ckpt.directory}/{bad} is damaged and was skipped "
                   f"(moved to {ckpt.directory}.damaged/): {reason}")
         print(f"resumed from {ckpt.directory}/{step}")

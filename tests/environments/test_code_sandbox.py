@@ -19,7 +19,6 @@ hand-written cases, the reward's clamp, the metrics counter. Nothing here is ran
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
 import json
 import os
 import shutil

@@ -8,10 +8,8 @@ the host text, and the solver with breadth-first search.
 """
 from __future__ import annotations
 
-from collections import deque
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from environments import render

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from ragen_jax.starpo import advantages as adv_lib
-from tests.starpo import numpy_reference as ref
 from tests.starpo import numpy_reference_credit as cref
 from tests.starpo.test_advantages import make_batch, to_jnp
 

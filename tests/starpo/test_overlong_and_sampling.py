@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ragen_jax.starpo import overlong
-from ragen_jax.training import dynamic_sampling as ds
+from ragen_jax.starpo import dynamic_sampling as ds
 from tests.starpo.traj_factory import Conversation, Turn, build_trajectory
 
 

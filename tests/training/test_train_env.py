@@ -8,7 +8,7 @@ from configs import frozen_lake, metamathqa
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.training.event_log import read_events
 from ragen_jax.training.workdir import config_as_json, config_changes
-from tests.training.test_start_replay import _first_user_block
+from tests.starpo.test_start_replay import _first_user_block
 from tests.training.test_trainer import _logged, small_config_dict
 
 

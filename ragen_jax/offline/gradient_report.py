@@ -1,6 +1,6 @@
 """Which groups carry a run's policy gradient: RAGEN-2's gradient analysis, read back as tables.
 
-    python -m ragen_jax.training.gradient_report runs/sokoban [--prefilter] [--steps 1,11]
+    python -m ragen_jax.offline.gradient_report runs/sokoban [--prefilter] [--steps 1,11]
 
 A run with ``--config.trainer.gradient_analysis_every=N`` logs, at steps 1, 1 + N, …, the gradient of
 each loss term per bucket of groups sorted by their reward spread (``starpo/gradient_analysis.py``).
@@ -127,6 +127,11 @@ def main(argv=None) -> str:
     text = report(args.run_dir, args.prefilter, steps)
     print(text)
     return text
+
+
+def cli() -> None:
+    """The console entry point (``ragen-gradient-report``): ``main`` on the command line's arguments."""
+    main()
 
 
 if __name__ == "__main__":

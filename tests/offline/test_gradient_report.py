@@ -1,7 +1,7 @@
 """The gradient-analysis report on hand-written TensorBoard series (hand-worked tables)."""
 import pytest
 
-from ragen_jax.training import gradient_report
+from ragen_jax.offline import gradient_report
 from ragen_jax.training.event_log import Logger
 
 

@@ -2,7 +2,6 @@
 the rollout from chosen starts against the per-row rollout of the same keys, and the trainer (the
 first step equals a run without replay, resume is exact). Fixed seeds throughout.
 """
-import dataclasses
 
 import jax
 import numpy as np
@@ -12,7 +11,7 @@ import environments
 from ragen_jax.config import ConfigError, RolloutConfig
 from ragen_jax.rollout.loop import make_rollout
 from ragen_jax.training.event_log import read_events
-from ragen_jax.training.start_replay import StartReplay
+from ragen_jax.starpo.start_replay import StartReplay
 from tests.rollout.helpers import make_tokenizer
 from tests.rollout.test_agent import tiny_model
 from tests.training.test_trainer import _logged, _resume_matches, small_config

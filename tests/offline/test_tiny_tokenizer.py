@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from ragen_jax.training import build_tiny_tokenizer as btt
+from ragen_jax.offline import build_tiny_tokenizer as btt
 
 PATH = str(btt.DEFAULT_DIR)
 

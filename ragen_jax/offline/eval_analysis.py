@@ -1,6 +1,6 @@
 """The eval transcripts analysed: where FrozenLake episodes fail, how often and how hard each puzzle is.
 
-    python -m ragen_jax.training.eval_analysis runs/frozen_lake/eval/transcripts.jsonl [--step N]
+    python -m ragen_jax.offline.eval_analysis runs/frozen_lake/eval/transcripts.jsonl [--step N]
 
 For every failed episode, the first wrong thing in it, turn by turn and action by action:
 
@@ -27,7 +27,7 @@ sample, which on-policy advantages (a group of all failures has no reward spread
 mean success then and now — where training sharpened (sometimes → always), where it reached new
 behaviour (never → solved), and where it lost what the earlier policy could do (→ never).
 
-    python -m ragen_jax.training.eval_analysis AFTER.jsonl --before WARMUP.jsonl
+    python -m ragen_jax.offline.eval_analysis AFTER.jsonl --before WARMUP.jsonl
 
 ``--by_length frozen_lake|sokoban`` adds ``by_solution_length``: the puzzles grouped by the fewest
 actions that solve their first board (FrozenLake: the shortest safe path; Sokoban: BFS over player
@@ -35,7 +35,7 @@ and boxes, ``environments.sokoban.expert``), with each group's success (and, wit
 success then) — which levels training gained or lost. Several files (one per seed, say) pool their
 records; ``--step`` / ``--before_step`` pick an evaluation inside a run's transcripts file:
 
-    python -m ragen_jax.training.eval_analysis runs/sokoban/eval/transcripts.jsonl --step 400 \
+    python -m ragen_jax.offline.eval_analysis runs/sokoban/eval/transcripts.jsonl --step 400 \
         --before runs/sokoban/eval/transcripts.jsonl --before_step 0 --by_length sokoban
 """
 from __future__ import annotations
@@ -321,6 +321,11 @@ def main(argv=None):
     result = {"step": step, **result}
     print(json.dumps(result, indent=2))
     return result
+
+
+def cli() -> None:
+    """The console entry point (``ragen-eval-analysis``): ``main`` on the command line's arguments."""
+    main()
 
 
 if __name__ == "__main__":

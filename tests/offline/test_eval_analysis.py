@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ragen_jax.training import eval_analysis
+from ragen_jax.offline import eval_analysis
 
 SYSTEM = "<|im_start|>system\nYou are solving the FrozenLake puzzle.\n<|im_end|>\n"
 # Player (0, 0), goal (1, 3), a hole at (0, 1): shortest safe path Down, Right, Right, Right.

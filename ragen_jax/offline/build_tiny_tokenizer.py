@@ -12,7 +12,7 @@ tokens: a tiny model learns the reply format in a handful of steps instead of sp
 Deterministic: the corpus comes from a seeded NumPy generator and BPE training is single-threaded,
 so re-running the script reproduces the shipped files byte for byte (a test checks this).
 
-    python -m ragen_jax.training.build_tiny_tokenizer [--out DIR]
+    python -m ragen_jax.offline.build_tiny_tokenizer [--out DIR]
 """
 from __future__ import annotations
 
@@ -244,6 +244,11 @@ def main() -> None:
     args = parser.parse_args()
     path = save(args.out)
     print(f"wrote {path}")
+
+
+def cli() -> None:
+    """The console entry point (``ragen-build-tiny-tokenizer``): ``main`` on the command line's arguments."""
+    main()
 
 
 if __name__ == "__main__":
