@@ -50,10 +50,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from absl import flags
+from matplotlib.figure import Figure
 
+from ragen_jax import launch
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.training.paired import mean_se, sign_flip_p  # noqa: F401 (re-exported)
+from ragen_jax.training.trainer import train
 
 # --------------------------------------------------------------------------------------------
 # Variants
@@ -124,9 +129,8 @@ def parse_variants(text: str) -> list[Variant]:
 def apply_overrides(config, overrides) -> None:
     """Set each ``(dotted key, value)`` in ``config``; a ``ConfigError`` names a key that does not
     exist (with the close matches) or a value of the wrong type."""
-    from ragen_jax.launch import unknown_key_message
     for key, value in overrides:
-        message = unknown_key_message(config, key)
+        message = launch.unknown_key_message(config, key)
         if message:
             raise ConfigError(message)
         *path, name = key.split(".")
@@ -171,8 +175,6 @@ def compare(base, variants: list[Variant], seeds: int, out: str | Path, baseline
             report_only: bool = False, at_step: int | None = None) -> dict:
     """Run every variant × seed (those not finished yet) and write the report (and, with ``at_step``,
     the report at that step too); returns the final report."""
-    from ragen_jax.training.trainer import train
-
     out = Path(out)
     runs = run_configs(base, variants, seeds, out)
     if not report_only:
@@ -375,12 +377,9 @@ def markdown(report: dict, title: str) -> str:
 
 
 def plot(report: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100, gridspec_kw={"width_ratios": [2, 1]})
+    # A Figure of its own (no pyplot): nothing global changes, whatever backend the caller uses.
+    fig = Figure(figsize=(10, 3.8), dpi=100)
+    ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
     warm = None
     for i, r in enumerate(report["rows"]):
         c = np.asarray(r["curve"], np.float64).reshape(-1, 4)
@@ -404,15 +403,12 @@ def plot(report: dict, path: Path, title: str) -> None:
     bx.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
 def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str | None = None,
                  title: str | None = None, at_step: int | None = None) -> dict:
     """Summarize the runs in ``out`` and write ``comparison.{md,json,png}`` (with ``at_step``:
     ``comparison_step<N>.*``, every run read at step N); returns the report."""
-    import jax
-
     report = summarize(collect(out, variants, seeds, at_step), baseline)
     report["at_step"] = at_step
     if not report["rows"] or jax.process_index() != 0:  # one process of a multi-process run writes
@@ -434,10 +430,6 @@ def write_report(out: Path, variants: list[Variant], seeds: int, baseline: str |
 
 
 def main(argv=None) -> None:
-    from absl import flags
-
-    from ragen_jax import launch
-
     variants = flags.DEFINE_string("variants", None, "Comma-separated variants, each key=value[+key=value...], "
                                    "optionally label:...; e.g. off:filter.value=1.0,top-p:filter.value=0.9")
     seeds = flags.DEFINE_integer("seeds", 3, "Runs per variant (seeds config.seed + 0 ... + seeds - 1)", lower_bound=1)

@@ -26,17 +26,32 @@ if __name__ == "__main__":  # first, before JAX is imported: the opt-in restart 
 
     reexec_with_huge_pages()
 
+import ast
 import contextlib
 import difflib
+import errno
+import importlib.util
+import logging
 import os
 import sys
+import threading
+import traceback
 
 # transformers serves tokenizers and chat templates here; its advice that "models won't be
 # available" without PyTorch is about its own models, not ours.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from ml_collections import ConfigDict, config_flags  # noqa: E402
+
+from ragen_jax.config import ConfigError, resolve  # noqa: E402
+from ragen_jax.models.loading import ModelFileError  # noqa: E402
+from ragen_jax.rollout.host_env import FAILURES  # noqa: E402
+from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint  # noqa: E402
+from ragen_jax.training.evaluate import run_eval, run_export  # noqa: E402
+from ragen_jax.training.trainer import train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                           lock_config=True)
@@ -76,10 +91,6 @@ def _take_env_switch(argv: list[str], file_env_name: str | None) -> list[str]:
 
 def _env_section(values: dict[str, str]):
     """The env section from command-line strings (Python literals where they parse: numbers, tuples)."""
-    import ast
-
-    from ml_collections import ConfigDict
-
     def value(text: str):
         try:
             return ast.literal_eval(text)
@@ -96,9 +107,6 @@ def _override_keys(argv: list[str]) -> list[str]:
 
 def load_config_file(path: str):
     """``get_config()`` of the config file at ``path``; raises ``ValueError`` saying what is wrong."""
-    import importlib.util
-    import traceback
-
     if not os.path.isfile(path):
         here = os.path.dirname(path) or "."
         shipped = sorted(f for f in os.listdir(here) if f.endswith(".py") and f != "__init__.py") \
@@ -191,8 +199,6 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
     CPU processes exchange collectives through gloo (XLA's CPU client has no other cross-process
     transport); GPUs and TPUs use their own, and the setting does not touch them.
     """
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id)
@@ -202,10 +208,6 @@ def _quiet_host_env_callback_log() -> None:
     """JAX logs a failed ``io_callback`` with the whole traceback before re-raising it; a Python
     environment's failure is reported in one line by ``user_errors``, so that log record is dropped
     (any other callback's stays). The same for a full disk's errors in orbax's writer threads."""
-    import logging
-
-    from ragen_jax.rollout.host_env import FAILURES
-
     def keep(record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         return not any(error is f or (error is not None and error.__cause__ is f) for f in FAILURES)
@@ -215,7 +217,6 @@ def _quiet_host_env_callback_log() -> None:
     # their tracebacks first.
     logging.getLogger("absl").addFilter(lambda r: not (r.exc_info and _is_disk_full(r.exc_info[1])))
     # ... and so does the TensorBoard writer's thread when it dies of it (the Logger then raises).
-    import threading
 
     default_hook = threading.excepthook
     threading.excepthook = lambda args: None if _is_disk_full(args.exc_value) else default_hook(args)
@@ -224,14 +225,11 @@ def _quiet_host_env_callback_log() -> None:
 def start(config) -> None:
     """What every command does before building anything: quiet logs, the persistent compilation
     cache, the notes on replaced keys, joining a multi-process run."""
-    from absl import logging as absl_logging
-
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax reports every save at INFO
     _quiet_host_env_callback_log()
     cache = config.get("compilation_cache_dir")
     if cache:
         # Compiled XLA programs persist across runs: a second run (or a resume) skips compilation.
-        import jax
 
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -245,10 +243,6 @@ def start(config) -> None:
 def user_errors():
     """Errors a user can fix (a config key, a checkpoint that does not fit, a model file) end the
     command with one line saying what and how (exit status 2), not a traceback."""
-    from ragen_jax.models.loading import ModelFileError
-    from ragen_jax.training.checkpoint import CheckpointMismatch, NoIntactCheckpoint
-    from ragen_jax.config import ConfigError
-
     try:
         yield
     except ConfigError as e:
@@ -261,7 +255,6 @@ def user_errors():
         print(f"Model file error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - a full disk, or a Python environment's failure wrapped by XLA
-        from ragen_jax.rollout.host_env import FAILURES
 
         if _is_disk_full(e):
             workdir = (_CONFIG.value or {}).get("workdir", "the workdir")
@@ -290,8 +283,6 @@ def _exit_now(status: int, report: str) -> None:
 
 def _is_disk_full(e: BaseException | None) -> bool:
     """``e`` (or what caused it) is an ``OSError`` of a full device."""
-    import errno
-
     while e is not None:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return True
@@ -308,24 +299,16 @@ def main(argv) -> None:
               "(configs/sokoban.py, configs/bandit.py)", file=sys.stderr)
         sys.exit(2)
     start(_CONFIG.value)
-    from ragen_jax.config import resolve
-
     if _ENV_SWITCH:  # --config.env.name switched the env: its section is the command line's env keys
         with _CONFIG.value.unlocked():
             _CONFIG.value.env = _env_section(_ENV_SWITCH)
     with user_errors():
         spec = resolve(_CONFIG.value)
         if spec.mode == "eval":
-            from ragen_jax.training.evaluate import run_eval
-
             run_eval(spec)
         elif spec.mode == "export":
-            from ragen_jax.training.evaluate import run_export
-
             run_export(spec)
         else:
-            from ragen_jax.training.trainer import train
-
             train(spec)
 
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ragen_jax.models import sharding as sharding_lib
@@ -113,8 +115,6 @@ class Placement:
         XLA's GPU compiler folds the random initialisers at compile time (measured on an H200: 113 s
         to compile a Qwen2.5-0.5B-shaped decoder's initialiser).
         """
-        from flax import nnx
-
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(seed))))
         shardings = self.state_shardings(abstract)
         init = self.jit(lambda key: nnx.split(make(nnx.Rngs(key)))[1], out_shardings=shardings)
@@ -170,7 +170,6 @@ class Placement:
             return np.asarray(jax.device_get(x))
         if x.sharding.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
-        from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -180,15 +179,12 @@ class Placement:
     def sync(self, name: str) -> None:
         """Every process waits here until all have arrived (no-op with one process)."""
         if self.num_processes > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(name)
 
     def broadcast(self, value: Any) -> Any:
         """The main process's ``value`` (a small pytree of numbers), on every process."""
         if self.num_processes == 1:
             return value
-        from jax.experimental import multihost_utils
 
         return multihost_utils.broadcast_one_to_all(value)
 

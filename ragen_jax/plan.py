@@ -28,11 +28,28 @@ GGUF's header. Prompts are tokenised by the tiny preset's tokenizer (the layout 
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import os
 import sys
 from typing import Any
+
+import gguf
+import jax
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from ragen_jax.config import ConfigError, resolve
+from ragen_jax.models import Critic, Decoder, ModelConfig, ValueHead, smollm2_gguf_path
+from ragen_jax.models.kv_cache import init_cache
+from ragen_jax.models.loading import gguf_config_dict
+from ragen_jax.models.presets import load_tiny_tokenizer, tiny_model_config
+from ragen_jax.models.sharding import cache_shardings, replicated_axes
+from ragen_jax.rollout.loop import Rollout
+from ragen_jax.starpo.update import init_train_state, make_update_step
+from ragen_jax.training.build import build_env
+from ragen_jax.training.run import make_placement
 
 # Architectures of the pretrained presets (their HF config.json), so a plan needs no download.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -54,9 +71,6 @@ USABLE = 0.9  # of a device's memory: what XLA may plan to use
 
 def model_config(spec):
     """The preset's ``ModelConfig`` from its architecture alone (no weights read)."""
-    from ragen_jax.models import ModelConfig
-    from ragen_jax.models.presets import load_tiny_tokenizer, tiny_model_config
-
     m = spec.model
     knobs = m.knobs
     preset = m.preset
@@ -65,11 +79,6 @@ def model_config(spec):
     if m.path and os.path.isfile(os.path.join(m.path, "config.json")):
         return ModelConfig.from_hf_config(m.path, **knobs)
     if preset == "smollm2_135m":
-        import gguf
-
-        from ragen_jax.models import smollm2_gguf_path
-        from ragen_jax.models.loading import gguf_config_dict
-
         return ModelConfig.from_hf_config(gguf_config_dict(gguf.GGUFReader(m.path or smollm2_gguf_path())), **knobs)
     return ModelConfig.from_hf_config({**_QWEN2, **ARCHITECTURES[preset]}, **knobs)
 
@@ -77,7 +86,7 @@ def model_config(spec):
 def _shard_bytes(abstract) -> int:
     """Bytes one device holds of a pytree of sharded ``ShapeDtypeStruct``s (the largest shard)."""
     total = 0
-    for x in __import__("jax").tree.leaves(abstract):
+    for x in jax.tree.leaves(abstract):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         total += math.prod(shape) * x.dtype.itemsize
     return total
@@ -87,15 +96,6 @@ class _Programs:
     """The run's two programs and the abstract state they take, laid out on ``placement``."""
 
     def __init__(self, spec, placement):
-        import jax
-        from flax import nnx
-
-        from ragen_jax.models import Critic, Decoder, ValueHead
-        from ragen_jax.rollout.loop import Rollout
-        from ragen_jax.starpo.update import init_train_state, make_update_step
-        from ragen_jax.models.presets import load_tiny_tokenizer
-        from ragen_jax.training.build import build_env
-
         self.cfg = cfg = model_config(spec)
         mode = spec.starpo.critic_mode
         graphdefs = {}
@@ -135,12 +135,6 @@ def plan(spec, placement=None, *, keep_programs: bool = False):
     """Per-device bytes of ``spec``'s run on ``placement`` (default: its ``config.mesh``; the
     devices must already exist). ``keep_programs``: return ``(figures, compiled)`` so that
     ``measure`` runs the very executables planned, without compiling them again."""
-    import jax
-
-    from ragen_jax.models.kv_cache import init_cache
-    from ragen_jax.models.sharding import cache_shardings
-    from ragen_jax.training.run import make_placement
-
     placement = placement or make_placement(spec)
     programs = _Programs(spec, placement)
     cfg, state, traj = programs.cfg, programs.state, programs.traj
@@ -178,8 +172,6 @@ def measure(compiled) -> dict[str, float | None]:
     devices with random weights (initialised in place, sharded) and read what the device allocator
     saw: ``peak_bytes_in_use`` after the rollout and after the update, per device (the largest over
     local devices). ``None`` where the backend keeps no statistics (XLA's CPU client)."""
-    import jax
-
     programs, placement, rollout_exe, update_exe = compiled
 
     def peak():
@@ -201,10 +193,6 @@ def mesh_warnings(cfg, params, mesh) -> list[str]:
     """What the mesh asks for that the model cannot use: an axis that divides none (or only some) of
     the dimensions the partition rules shard along it replicates those weights instead, so the plan's
     per-device figures hold copies the user may have meant to split."""
-    import jax
-
-    from ragen_jax.models.sharding import replicated_axes
-
     warnings = []
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # the weights share one dtype
     for axis, arrays in replicated_axes(params, mesh).items():
@@ -267,9 +255,6 @@ def _mesh_devices(config, default: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from absl import app, flags
-    from ml_collections import config_flags
-
     config_flag = config_flags.DEFINE_config_file("config", None, "A run's config file (configs/*.py).",
                                                   lock_config=False)
     devices_flag = flags.DEFINE_integer("devices", 8, "Simulated devices when a mesh axis is -1.")
@@ -280,35 +265,20 @@ def main(argv: list[str] | None = None) -> None:
     def run(_):
         config = config_flag.value
         n = _mesh_devices(config, devices_flag.value)
-        import jax
-
         if not measure_flag.value:
             # Simulated CPU devices, set before jax starts its backend (the config file only imports it).
             os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
             jax.config.update("jax_platforms", "cpu")
-        from ragen_jax.config import ConfigError, resolve
-        from ragen_jax.models.presets import PRESETS
-
-        preset = config.model.preset
         try:
-            if preset in PRESETS and PRESETS[preset]["kind"] == "hf_dir" and not config.model.path:
-                config.model.preset = "tiny"  # resolve checks the files a plan does not need
-                spec = resolve(config)
-                with spec.config.unlocked():
-                    spec.config.model.preset = preset
-                spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, preset=preset))
-            else:
-                spec = resolve(config)
+            spec = resolve(config, model_files=False)  # the architecture is enough
             figures, compiled = plan(spec, keep_programs=True)
             print(report(spec, figures))
             measured = measure(compiled) if measure_flag.value else None
             if measured is not None:
                 print(measured_report(figures, measured))
             if json_flag.value:
-                import json
-
                 with open(json_flag.value, "w") as f:
-                    json.dump({"figures": figures, "measured": measured, "preset": preset,
+                    json.dump({"figures": figures, "measured": measured, "preset": spec.model.preset,
                                "mesh": spec.mesh.shape, "adv_estimator": spec.starpo.adv_estimator,
                                "critic": spec.starpo.critic_mode, "platform": jax.devices()[0].platform}, f)
         except ConfigError as e:

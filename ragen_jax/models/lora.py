@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
 from ragen_jax.models.config import LORA_TARGETS
@@ -109,8 +110,6 @@ def export_hf(model: Decoder, directory: str | os.PathLike) -> Path:
     """Write ``model`` (adapters merged first) as an HF checkpoint: ``model.safetensors`` under the
     HF tensor names of ``loading.WEIGHT_TABLE`` and a ``config.json``; ``loading.load_hf`` and
     transformers both read it back."""
-    import safetensors.numpy
-
     model = merge_lora(model)
     cfg = model.cfg
     out = Path(directory)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from ragen_jax.models.config import ModelConfig
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_tokenizer"
@@ -31,8 +33,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 def load_tiny_tokenizer():
     """The byte-level BPE tokenizer the ``tiny`` preset ships (``transformers`` loads it lazily: it is
     slow to import and only the text side of a run needs it)."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 
 

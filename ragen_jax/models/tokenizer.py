@@ -8,10 +8,8 @@ tokenizer from the file's `tokenizer.ggml.*` metadata (tokens, merges, token typ
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # transformers is imported on first use: `import ragen_jax.models` stays light
-    import transformers
+import transformers
 
 _NO_TEMPLATE_HELP = (
     "tokenizer at {path!r} has no chat template; the rollout frames every turn with it. Supply one with "
@@ -30,8 +28,6 @@ def load_tokenizer(path: str | os.PathLike, *, chat_template: str | os.PathLike 
     A tokenizer without a pad token gets its eos token as pad (batches are right-padded and the
     padding is masked by position, so its id never matters).
     """
-    import transformers
-
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         directory, name = os.path.split(os.path.abspath(path))

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_tokenizer"
 
@@ -191,8 +193,6 @@ def build_corpus(num_episodes: int = 3000, seed: int = 0) -> list[str]:
 def build_tokenizer(num_episodes: int = 3000, seed: int = 0):
     """Train the byte-level BPE and return a ``transformers`` fast tokenizer with the chat template."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # single-threaded training: deterministic merges
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -46,6 +46,9 @@ import json
 import re
 from collections import deque
 
+from environments.sokoban.expert import shortest_solution_length
+from environments.sokoban.render import DEFAULT_GRID_LOOKUP
+
 MOVES = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
 CATEGORIES = ("malformed", "wrong cells", "invalid", "into a hole", "not nearer", "budget")
 _CELLS = re.compile(r"player is at \((\d+), (\d+)\) and the goal at \((\d+), (\d+)\)")
@@ -225,9 +228,6 @@ def _frozen_lake_lengths():
 
 
 def _sokoban_lengths():
-    from environments.sokoban.expert import shortest_solution_length  # JAX loads only when asked for
-    from environments.sokoban.render import DEFAULT_GRID_LOOKUP
-
     return set(DEFAULT_GRID_LOOKUP.values()), shortest_solution_length
 
 

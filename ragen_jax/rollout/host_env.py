@@ -41,6 +41,7 @@ infinite reward, named with the env, the row and the step.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Callable, Mapping
 
 import chex
@@ -50,7 +51,6 @@ import numpy as np
 from jax.experimental import io_callback
 
 from environments.core import AgentFacing, EnvParams
-
 
 # Errors of Python environments, newest last: an error raised inside ``io_callback`` reaches the
 # caller wrapped in an XLA runtime error; the command line reports the original from here.
@@ -162,8 +162,6 @@ class HostEnv(AgentFacing):
         time-out) is re-raised naming the env, row and step — raised inside ``io_callback`` it would
         otherwise surface as an anonymous XLA error — and kept in ``host_env.FAILURES`` for the
         command line's one-line report."""
-        import threading
-
         step = "reset" if what == "reset" else f"step {int(self._steps[i]) + 1}"
         box: dict = {}
 

@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.chat import ChatFraming, split_conversation
@@ -89,8 +90,6 @@ class ChatClient:
                                                            thread_name_prefix="chat-api")
         self._bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(desc=f"{self.model} requests", unit="req", leave=False)
 
     def _count_attempt(self, request) -> None:

@@ -30,14 +30,14 @@ Group layout: rows form ``num_groups`` contiguous blocks of ``group_size`` rows 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ragen_jax.starpo.reductions import (check_group_size, group_mean_std, group_std, group_view,
-                                         masked_whiten)
+from ragen_jax.starpo.reductions import check_group_size, group_mean_std, group_std, group_view, masked_whiten
 from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
@@ -545,8 +545,6 @@ def cluster_similar_observations(observations: np.ndarray, lengths: np.ndarray, 
     symbols, or a text env's tokens) where verl-agent compares the observation's characters; the
     order is (episode, turn) where verl-agent's is its batch's row order.
     """
-    import difflib
-
     obs, lens, mask = np.asarray(observations), np.asarray(lengths), np.asarray(turn_mask, bool)
     batch, turns = mask.shape
     ids = np.full((batch, turns), -1, np.int32)

@@ -12,6 +12,9 @@ import ast
 import math
 import operator
 
+from environments.code.sandbox import Limits, Sandbox
+from environments.text.retrieval import format_results
+from environments.text.search_qa import shared_bm25
 from ragen_jax.tools.schema import Tool, tool
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -80,9 +83,6 @@ def search_tool(retriever=None, top_k: int = 3, timeout_s: float = 10.0, max_cha
     """A ``search(query)`` tool over ``retriever`` (``environments.text.retrieval``: ``BM25Retriever``
     over the shipped corpus by default, one index per process, or an ``HTTPRetriever`` of a retrieval
     server); the passages it returns are cut to ``max_chars`` in all."""
-    from environments.text.retrieval import format_results
-    from environments.text.search_qa import shared_bm25
-
     index = retriever if retriever is not None else shared_bm25(None)
 
     def search(query: str) -> str:
@@ -99,8 +99,6 @@ def search_tool(retriever=None, top_k: int = 3, timeout_s: float = 10.0, max_cha
 def python_tool(limits=None, timeout_s: float = 15.0, allow_unsandboxed: bool = False) -> Tool:
     """A ``python(code)`` tool: the program runs in the code environment's ``Sandbox`` and the model reads
     its standard output (and error, and how it ended)."""
-    from environments.code.sandbox import Limits, Sandbox
-
     sandbox = Sandbox(limits or Limits(timeout_s=min(10.0, timeout_s)), allow_unsandboxed=allow_unsandboxed)
 
     def python(code: str) -> str:

@@ -20,6 +20,9 @@ import json
 import re
 from typing import Callable, Sequence
 
+from environments.text import data_file, load_records, retrieval
+from environments.text.search_qa import DEFAULT_QUESTIONS, score_answer, shared_bm25
+from ragen_jax.tools.builtin import search_tool
 from ragen_jax.tools.calls import parse_calls, run_calls
 from ragen_jax.tools.schema import Tool
 
@@ -109,11 +112,6 @@ class ToolSearchQA(ToolEnv):
                  retrieval_url: str | None = None, max_turns: int = 6, max_tool_calls: int = 4, top_k: int = 2,
                  max_result_chars: int = 1500, correct_reward: float = 1.0, f1_threshold: float = 0.3,
                  split: str = "train", fmt: str = "hermes"):
-        from environments.text import data_file, load_records
-        from environments.text import retrieval
-        from environments.text.search_qa import DEFAULT_QUESTIONS, shared_bm25, score_answer
-        from ragen_jax.tools.builtin import search_tool
-
         rows = load_records(data_file(questions_path, DEFAULT_QUESTIONS, "questions_path"),
                             ("question", "ground_truth"), "questions_path")
         if "split" in rows[0]:

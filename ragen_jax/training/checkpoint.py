@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from ragen_jax.starpo.train_state import saved_part, with_base
 from ragen_jax.training.workdir import explain_mismatch
@@ -252,8 +253,6 @@ class Checkpointer:
                     target = aside / f"{step}.{int(time.time())}"
                 shutil.move(str(self.directory / str(step)), str(target))
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("damaged checkpoints set aside")
         self._manager.reload()
 

@@ -16,13 +16,23 @@ notebooks can check what was written without the ``tensorboard`` package.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
+import shutil
+import socket
 import struct
+import sys
+import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
 
 REGIMES = ("diverse", "template_collapse", "compressed", "low_entropy_collapse")
 
@@ -70,13 +80,12 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
     Returns:
       uint8 ``[H, W, 3]`` image.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pts = np.asarray(list(history), dtype=np.float64).reshape(-1, 3)
-    fig, ax = plt.subplots(figsize=(4.5, 4), dpi=80)
+    # A Figure on an Agg canvas of its own (no pyplot): nothing global changes, whatever backend
+    # the caller (a notebook) uses.
+    fig = Figure(figsize=(4.5, 4), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     if len(pts):
         sc = ax.scatter(pts[:, 2], pts[:, 1], c=pts[:, 0], cmap="viridis", s=18)
         ax.plot(pts[:, 2], pts[:, 1], lw=0.5, color="grey")
@@ -91,7 +100,6 @@ def quadrant_figure(history: Iterable[tuple[int, float, float]], baseline: tuple
     fig.tight_layout()
     fig.canvas.draw()
     img = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    plt.close(fig)
     return img
 
 
@@ -102,12 +110,9 @@ class LoggingError(OSError):
 def save_learning_curve(path: Path, history: dict) -> np.ndarray:
     """Learning curve: training success per step and validation success (with the warm-up mark),
     saved as ``path``; returns the image (RGB ``[H, W, 3]``) for the loggers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     tr = np.asarray(history.get("train", []), dtype=np.float64).reshape(-1, 2)
     va = np.asarray(history.get("val", []), dtype=np.float64).reshape(-1, 2)
     if len(tr):
@@ -131,7 +136,6 @@ def save_learning_curve(path: Path, history: dict) -> np.ndarray:
     fig.savefig(path)
     fig.canvas.draw()
     rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    plt.close(fig)
     return rgb
 
 
@@ -152,11 +156,6 @@ class Logger:
             self._open()
 
     def _open(self) -> None:
-        from tensorboardX import SummaryWriter
-
-        import socket
-        import time
-
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # tensorboardX names a file by the second and the host: a writer opened in the same second as
         # an existing file (a quick restart, a reopened file) would truncate it. Pick a free name.
@@ -193,8 +192,6 @@ class Logger:
     def _check_writer(self) -> None:
         if self._writer is None or self._writer_alive():
             return
-        import errno
-        import shutil
 
         path = self.events_file
         free = shutil.disk_usage(self.log_dir).free
@@ -209,7 +206,6 @@ class Logger:
         path = self.events_file
         if path is None or path.exists():
             return
-        import sys
 
         self._writer.close()
         self._open()
@@ -296,10 +292,6 @@ def trim_events(log_dir: str | os.PathLike, last_step: int) -> None:
     all of the warm-up's (``warmup/*``, which has its own step count and is never re-run), and drops
     the later steps, which the resumed run logs again. Files are rewritten atomically.
     """
-    import time
-
-    from tensorboardX.proto import event_pb2
-
     log_dir = Path(log_dir)
     files = sorted(log_dir.rglob("events.out.tfevents.*")) if log_dir.is_dir() else []
     if not files:
@@ -332,8 +324,6 @@ def trim_events(log_dir: str | os.PathLike, last_step: int) -> None:
 
 def _frame(payload: bytes) -> bytes:
     """One TFRecord: length, its masked CRC-32C, the data, the data's masked CRC-32C."""
-    from tensorboardX.record_writer import masked_crc32c
-
     header = struct.pack("<Q", len(payload))
     return header + struct.pack("<I", masked_crc32c(header)) + payload + struct.pack("<I", masked_crc32c(payload))
 
@@ -344,8 +334,6 @@ def read_events(log_dir: str | os.PathLike, text_content: bool = False) -> dict[
     Scalars give their float value; text and images give the strings ``"text"`` / ``"image"``
     (``text_content``: a text gives what was written, without TensorBoard's code-block fence).
     """
-    from tensorboardX.proto import event_pb2
-
     out: dict[str, list] = {}
     for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
         for payload in _records(path):

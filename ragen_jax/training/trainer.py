@@ -24,24 +24,24 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from ragen_jax.config import ConfigError, RunSpec
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.trajectory import trim, trimmed_width
-from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part
 from ragen_jax.starpo import dynamic_sampling
-from ragen_jax.training.paired import mean_se, sign_flip_p
 from ragen_jax.starpo.start_replay import StartReplay
+from ragen_jax.starpo.train_state import frozen_base, policy_params, saved_part
 from ragen_jax.training.checkpoint import Checkpointer, restore_train_state
 from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
+from ragen_jax.training.paired import mean_se, sign_flip_p
 from ragen_jax.training.run import Setup, make_placement, setup
+from ragen_jax.training.wandb_sink import WandbSink
 from ragen_jax.training.warmup import run_warmup
 from ragen_jax.training.warmup_cache import WarmupCache
-from ragen_jax.training.wandb_sink import WandbSink
-from ragen_jax.training.workdir import (WorkdirLock, config_as_json, prepare_training_workdir,
-                                        trim_records)
+from ragen_jax.training.workdir import WorkdirLock, config_as_json, prepare_training_workdir, trim_records
 
 # Update-step metric names (ragen_jax.starpo) the loop reads for early stopping and the progress bar.
 MI_KEY = "collapse_first_turn_sample/mi_estimate"
@@ -457,7 +457,6 @@ def _steps(spec: RunSpec, start_step: int, show: bool = True):
     steps = range(start_step + 1, t.total_steps + 1)
     if not (t.progress_bar and show):
         return steps, None
-    from tqdm.auto import tqdm
 
     bar = tqdm(steps, desc=f"StarPO {spec.env_name}", initial=start_step, total=t.total_steps)
     return bar, bar

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 from ragen_jax.config import WarmupConfig
 from ragen_jax.config.checks import section_from_dict
@@ -378,8 +379,6 @@ def run_warmup(rollout: Rollout, params, warmup_cfg, log_fn: Callable[[int, dict
     run = _BCRun(params=params, opt_state=jax.jit(tx.init)(params), rng=np.random.default_rng(warmup_cfg.seed),
                  log_fn=log_fn, summary={})
     if progress:
-        from tqdm.auto import tqdm
-
         run.bar = tqdm(total=total, desc="warm-up (BC)", leave=False)
     warm = max(1, total // 20)
     run.summary["warmup/stopped_by_time"] = 0.0

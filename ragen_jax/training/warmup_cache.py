@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+import ragen_jax
 from ragen_jax.config import ModelSection
 from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
 from ragen_jax.training.workdir import config_as_json
@@ -51,8 +52,6 @@ def _digest(payload: dict) -> str:
 
 def fingerprint(config) -> str:
     """The key of ``config``'s warm-up (16 hex digits)."""
-    import ragen_jax
-
     c = config_as_json(config)
     warmup = {k: v for k, v in c["warmup"].items() if k not in _IGNORED}
     # A key added after caches were written is left out at its old behaviour's value, so those caches

@@ -19,9 +19,11 @@ it and decides:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -75,9 +77,6 @@ class WorkdirLock:
         self.note: str | None = None
 
     def acquire(self) -> "WorkdirLock":
-        import fcntl
-        import socket
-
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(self.path, "a+")
@@ -106,7 +105,6 @@ class WorkdirLock:
     def release(self) -> None:
         if self._file is None:
             return
-        import fcntl
 
         self._file.seek(0)
         self._file.truncate()  # an empty lock file: its last holder ended cleanly

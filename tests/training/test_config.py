@@ -56,6 +56,23 @@ def test_pretrained_presets_use_original_learning_rates(tmp_path):
     assert (s.starpo.actor_lr, s.starpo.critic_lr) == (1e-6, 1e-5)
 
 
+def test_a_plan_resolves_a_pretrained_preset_without_its_files():
+    """``resolve(config, model_files=False)`` (the memory planner): a Qwen2.5 preset with no model.path
+    keeps its own name and RAGEN's learning rates (actor 1e-6, critic 1e-5), and the planner reads its
+    architecture from Qwen2.5-0.5B's config.json values (hidden 896, 24 layers, 14 / 2 heads)."""
+    from ragen_jax.plan import model_config
+
+    cfg = sokoban.get_config()
+    cfg.model.preset = "qwen2.5-0.5b"
+    with pytest.raises(ConfigError, match="model.path is required"):
+        resolve(cfg)
+    s = resolve(cfg, model_files=False)
+    assert s.model.preset == "qwen2.5-0.5b" and s.config.model.preset == "qwen2.5-0.5b"
+    assert (s.starpo.actor_lr, s.starpo.critic_lr) == (1e-6, 1e-5)
+    mc = model_config(s)
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (896, 24, 14, 2)
+
+
 @pytest.mark.parametrize("mutate, expected", [
     (lambda c: setattr(c.model, "preset", "qwen2.5-0.5"), ["model.preset", "tiny", "qwen2.5-0.5b"]),
     (lambda c: setattr(c.model, "preset", "qwen2.5-3b"), ["model.path is required", "--config.model.path"]),
