@@ -8,8 +8,10 @@ the end of step k to the end of step k + 1 it records every Python function ente
 in the package (``ragen_jax/``) or the environments (``environments/``). That span is one whole
 iteration of ``trainer._run_steps``: the checkpoint of step k, then step k + 1's rollout, update,
 logging and validation. Compiled programs run without Python, so a step whose programs are already
-compiled shows the files that drive the iteration; a step that compiles (a new batch width) also
-shows the files traced into its programs. Every iteration is reported, with the files of each.
+compiled shows the files that drive the iteration; ``--retrace`` empties JAX's caches at each
+callback, so that every counted iteration traces (and compiles) its programs again and also shows
+every file whose code is traced into them: the model, the sampler, the environment, the estimators
+and losses. Every iteration is reported, with the files of each.
 """
 from __future__ import annotations
 
@@ -29,7 +31,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/frozen_lake.py")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--retrace", action="store_true", help="trace every counted iteration's programs again")
     args = ap.parse_args()
+
+    import jax
 
     from ragen_jax.config import resolve
     from ragen_jax.launch import load_config_file
@@ -46,6 +51,8 @@ def main() -> int:
 
     def on_step(step: int, _metrics: dict) -> None:
         if step + 1 <= args.steps:  # from here to the next callback: iteration step + 1
+            if args.retrace:
+                jax.clear_caches()
             current[0] = calls.setdefault(step + 1, Counter())
             sys.setprofile(profile)
         else:
@@ -66,7 +73,7 @@ def main() -> int:
 
     for step, counter in sorted(calls.items()):
         files = sorted(counter)
-        print(f"iteration {step} ({'validates' if step % 2 == 0 else 'no validation'}): "
+        print(f"iteration {step} ({'validates' if step % 2 == 0 or step == args.steps else 'no validation'}): "
               f"{len(files)} project files, {sum(counter.values())} Python calls")
         for f in files:
             print(f"  {counter[f]:7d}  {f}")
