@@ -126,6 +126,30 @@ def chat_framing(tokenizer) -> ChatFraming:
     )
 
 
+def system_with_tools(tokenizer, system: str, tools: list[dict]) -> str | None:
+    """The system message's content as the tokenizer's own chat template writes it when given
+    ``tools=`` (OpenAI function schemas): Qwen2.5's and Hermes-style templates append the tool list
+    and the ``<tool_call>`` convention to the system message. None when the template leaves the tools
+    out (it ignores ``tools``) or puts them outside the system message, where the append-only
+    framing (``chat_framing``) cannot carry them.
+    """
+    framing = chat_framing(tokenizer)
+    user = _MARK.format("user")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render tools lists none
+        return None
+    end = text.find(framing.system_to_user + user)
+    if not text.startswith(framing.preamble) or end < 0:
+        return None
+    content = text[len(framing.preamble):end]
+    names = [t["function"]["name"] for t in tools]
+    if system.strip() not in content or not all(name in content for name in names):
+        return None
+    return content
+
+
 def _end_of_turn(tokenizer, assistant_end: str) -> str:
     """The special token that opens ``assistant_end`` (``<|im_end|>``, ``<|eot_id|>``, ...)."""
     specials = sorted(

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from environments.text import data_file, load_records, retrieval
 from environments.text.search_qa import DEFAULT_QUESTIONS, score_answer, shared_bm25
+from ragen_jax.rollout.chat import system_with_tools
 from ragen_jax.tools.builtin import search_tool
 from ragen_jax.tools.calls import parse_calls, run_calls
 from ragen_jax.tools.schema import Tool
@@ -29,17 +30,21 @@ from ragen_jax.tools.schema import Tool
 _FINISH = re.compile(r"^\s*(?:finish|answer)\[(.*)\]\s*$", flags=re.DOTALL)
 
 
+# How a reply carries its calls and its final answer (the rollout parses <answer> ... </answer>).
+REPLY_FORMAT = ("Think inside <think> </think>. Put your tool calls, or your final answer as finish[your answer], "
+                "inside <answer> </answer>.")
+
+
 def tools_instruction(tools: Sequence[Tool], task: str) -> str:
-    """The system prompt's tool section, in the words Qwen2.5's chat template uses for ``tools=``."""
+    """The system prompt's tool section, in the words Qwen2.5's chat template uses for ``tools=``:
+    what a tokenizer whose template lists no tools is shown (``ToolEnv.instruction_for``)."""
     schemas = "\n".join(json.dumps(t.schema, ensure_ascii=False) for t in tools)
     return (f"{task}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n"
             f"<tools>\n{schemas}\n</tools>\n\n"
             "For each function call, return a json object with function name and arguments within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>\n"
-            "Think inside <think> </think>. Put your tool calls, or your final answer as finish[your answer], "
-            "inside <answer> </answer>.\n")
+            f"<args-json-object>}}\n</tool_call>\n{REPLY_FORMAT}\n")
 
 
 class ToolEnv:
@@ -60,10 +65,22 @@ class ToolEnv:
         self.tools = {t.name: t for t in tools}
         self.tasks, self.reward_fn, self.fmt = list(tasks), reward_fn, fmt
         self.max_turns, self.max_tool_calls = int(max_turns), int(max_tool_calls)
+        self.task_text = task_text
         self.instruction = tools_instruction(tools, task_text)
         self.turns = self.calls_made = 0
         self.task = None
         self.counts = {"tool_calls": 0, "tool_errors": 0, "malformed_calls": 0}
+
+    def instruction_for(self, tokenizer) -> str:
+        """The system prompt for ``tokenizer``'s model: its own chat template's listing of the tools
+        (``apply_chat_template(..., tools=schemas)``, as Qwen2.5 was trained to read them) when the
+        template lists tools, else ``instruction`` (the same listing in Qwen2.5's words)."""
+        if self.fmt == "hermes":  # the templates that list tools teach the <tool_call> convention
+            listed = system_with_tools(tokenizer, f"{self.task_text}\n{REPLY_FORMAT}",
+                                       [t.schema for t in self.tools.values()])
+            if listed is not None:
+                return listed
+        return self.instruction
 
     def reset(self, seed: int) -> str:
         self.task = self.tasks[int(seed) % len(self.tasks)]

@@ -79,8 +79,12 @@ def build_env(spec: RunSpec, tokenizer=None):
         # Built once now: fails naming the missing file or setting, rather than inside the first rollout;
         # and its instruction may depend on the settings (a tool environment lists its tools' schemas).
         probe = cls(**kwargs)
+        # An environment may word its instruction for the model's chat template (a tool environment
+        # lists its tools as the template does for ``tools=``).
+        instruction_for = getattr(probe, "instruction_for", None)
+        instruction = instruction_for(tokenizer) if callable(instruction_for) else probe.instruction
         env = HostEnv(lambda: cls(**kwargs), tokenizer, action_names=cls.action_names,
-                      batch_size=spec.rollout.batch_size, instruction=probe.instruction,
+                      batch_size=spec.rollout.batch_size, instruction=instruction,
                       max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)),
                       step_timeout_s=float(spec.env_param_kwargs.get("step_timeout_s", 600.0)))
         env.name = spec.env_name

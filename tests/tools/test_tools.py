@@ -4,6 +4,7 @@ built-ins against hostile input. No randomness (nothing to seed)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from typing import Literal, Optional
@@ -227,3 +228,43 @@ def test_tool_env_a_scripted_policy_solves_questions_through_the_search_tool():
     text, _, done, _ = env.step(call)
     assert done and "tool budget" in text  # the fourth turn is the last
     assert env.take_counters() == {"tool_calls": 3, "tool_errors": 0, "malformed_calls": 1}  # since the start
+
+
+# A chat template that lists tools as Qwen2.5's does: appended to the system message, one JSON schema
+# a line inside <tools></tools> (written here for the test; the framing of every message is Qwen's).
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if loop.first and m['role'] == 'system' and tools %}"
+    "{{ '<|im_start|>system\\n' + m['content'] + '\\n\\n# Tools\\n\\n<tools>' }}"
+    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_the_tools_reach_the_model_through_its_chat_templates_tools_argument():
+    """A tokenizer whose template lists tools gets the system message that template writes for
+    ``tools=`` (hand-derived below); one whose template ignores them gets the Qwen-worded listing."""
+    pytest.importorskip("bm25s")
+    from ragen_jax.config import resolve
+    from ragen_jax.rollout.chat import system_with_tools
+    from ragen_jax.tools.env import REPLY_FORMAT, ToolSearchQA
+    from ragen_jax.training.build import build_env
+    from tests.rollout.helpers import make_tokenizer
+
+    env = ToolSearchQA()
+    schema = env.tools["search"].schema
+    listing = copy.deepcopy(make_tokenizer("qwen"))  # make_tokenizer's are shared (cached): not changed here
+    listing.chat_template = TOOLS_TEMPLATE
+    expected = (f"{env.task_text}\n{REPLY_FORMAT}\n\n# Tools\n\n<tools>\n"
+                f"{json.dumps(schema, ensure_ascii=False)}\n</tools>")
+    assert env.instruction_for(listing) == expected
+    assert system_with_tools(make_tokenizer("qwen"), "Solve it.", [schema]) is None  # ignores tools=
+    assert env.instruction_for(make_tokenizer("qwen")) == env.instruction
+    # build_env hands the rollout what the template wrote.
+    from configs import search_tools
+
+    cfg = search_tools.get_config()
+    host_env, _ = build_env(resolve(cfg), listing)
+    assert host_env.instruction == expected
