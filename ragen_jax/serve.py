@@ -14,11 +14,15 @@ one length and runs prefill + ``models.sampler.generate`` once for all of them, 
 temperature, top-p and key. Shapes are bucketed (rows and prompt length to powers of two, the token
 budget to multiples of 64), so a handful of programs serve every request.
 
-Supported fields: ``model``, ``messages`` (``system`` / ``user`` / ``assistant``, text content; a
-last ``assistant`` message is continued rather than answered),
-``temperature``, ``top_p``, ``max_tokens`` (<= ``--max_tokens_limit``), ``stop`` (up to 4 strings:
-the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``seed``. Any other field
-(``stream``, ``tools``, ``logprobs``, ...) is refused with a 400 that names it; a body over
+Supported fields: ``model``, ``messages`` (``system`` / ``developer`` / ``user`` / ``assistant`` /
+``tool``; content a string or an array of text parts; an assistant's ``tool_calls``; a last
+``assistant`` message is continued rather than answered), ``temperature``, ``top_p``, ``max_tokens``
+(<= ``--max_tokens_limit``), ``stop`` (up to 4 strings: the reply is cut before the first,
+``finish_reason`` "stop"), ``n`` (<= 8), ``seed``, ``tools`` with ``tool_choice`` "auto" or "none": the
+tools are listed as the model's chat template lists them (or, where it lists none, in Qwen2.5's words
+in the system message), and a reply's ``<tool_call>{...}</tool_call>`` blocks come back as
+``tool_calls`` with ``finish_reason`` "tool_calls" (``tools.openai_format``). Any other field
+(``stream``, ``logprobs``, ...) is refused with a 400 that names it; a body over
 ``--max_body_bytes`` with a 413, one that has not arrived 10 s after its head with a 408 (and a
 connection that has not sent a request head within 5 s is closed). The server binds 127.0.0.1 unless ``--host`` says otherwise, and
 then warns: it has no authentication.
@@ -62,8 +66,9 @@ from ragen_jax.models.decoder import pack_for_decode
 from ragen_jax.models.kv_cache import init_cache
 from ragen_jax.models.lora import merge_lora
 from ragen_jax.models.sampler import SamplingConfig, generate, prefill
-from ragen_jax.rollout.chat import chat_framing, conversation_segments
+from ragen_jax.rollout.chat import chat_framing, conversation_segments, system_with_tools
 from ragen_jax.starpo.train_state import policy_params
+from ragen_jax.tools.openai_format import as_plain_chat, check_tools, for_template, reply_message
 from ragen_jax.training.checkpoint import Checkpointer
 from ragen_jax.training.evaluate import checkpointed_policy
 from ragen_jax.training.run import setup
@@ -93,6 +98,7 @@ class ChatRequest:
     max_tokens: int
     stop: tuple[str, ...]
     seed: int
+    tools: list | None = None  # OpenAI function schemas: replies' <tool_call> blocks come back as tool_calls
     future: Any = None  # asyncio.Future set by the batcher: list of (text, finish_reason, tokens)
 
 
@@ -122,18 +128,30 @@ class Generator:
         self._lock = threading.Lock()  # one decode at a time (the batcher already serialises them)
         self.batches_run = 0
 
-    def prompt_tokens(self, messages: list[dict]) -> list[int]:
+    def lists_tools(self, tools: list[dict]) -> bool:
+        """Whether this model's chat template lists ``tools`` itself (``apply_chat_template(tools=)``)."""
+        return system_with_tools(self.tokenizer, "-", tools) is not None
+
+    def prompt_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The chat template's tokens up to the assistant's reply. A last message of role
         ``assistant`` is continued, not answered: its text follows the assistant header with no end
         of turn (how a caller forces a reply's opening, e.g. ``<think>``, as the rollout does); the
-        reply the server returns is what comes after it."""
+        reply the server returns is what comes after it. Tool calls and results, and ``tools``, are
+        written as the template writes them when it lists tools, else in ``ToolEnv``'s convention
+        (``tools.openai_format``)."""
+        kwargs = {}
+        if tools and self.lists_tools(tools):
+            messages, kwargs = for_template(messages), {"tools": tools}
+        else:
+            messages = as_plain_chat(messages, tools)
         cont = messages[-1]["role"] == "assistant"
         if cont:
-            head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+            head = self.tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True,
+                                                      **kwargs)
             text = head + messages[-1]["content"]
         else:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if self.tokenization == "rollout" and messages[0]["role"] == "system":
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if self.tokenization == "rollout" and messages[0]["role"] == "system" and not kwargs:
             # The same text, tokenised piece by piece as the rollout writes it (what a policy trained
             # here saw); a conversation the pieces do not render exactly falls back to the whole text.
             pieces = conversation_segments(self.framing, messages, continue_final=cont, user_lines=True)
@@ -247,8 +265,10 @@ class BadRequest(ValueError):
     """A request the server refuses with a 400; the message names the field."""
 
 
-ALLOWED_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "stop", "n", "seed"}
-ROLES = ("system", "user", "assistant")
+ALLOWED_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "stop", "n", "seed", "tools",
+                  "tool_choice"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 def _bounded(body: dict, key: str, default, low, high, *, integer: bool = False):
@@ -273,17 +293,23 @@ def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> Cha
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise BadRequest(f"messages[{k}] must be {{'role': one of {ROLES}, 'content': a string}}")
-        if set(m) - {"role", "content", "name"}:
-            raise BadRequest(f"messages[{k}] has unsupported field(s) {sorted(set(m) - {'role', 'content', 'name'})}")
+    messages = [_message(k, m) for k, m in enumerate(messages)]
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise BadRequest(f"'tool_choice' {choice!r} is not supported: use 'auto' (the model decides) or 'none'")
+    if tools is not None:
+        try:
+            tools = check_tools(tools)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+    if choice == "none":
+        tools = None
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings")
     max_tokens = _bounded(body, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit, integer=True)
-    prompt = generator.prompt_tokens([{"role": m["role"], "content": m["content"]} for m in messages])
+    prompt = generator.prompt_tokens(messages, tools)
     if len(prompt) + max_tokens > generator.max_seq_len:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the server's "
                          f"context of {generator.max_seq_len} tokens; shorten the messages or lower max_tokens")
@@ -293,7 +319,35 @@ def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> Cha
     return ChatRequest(prompt=prompt, n=_bounded(body, "n", 1, 1, MAX_N, integer=True),
                        temperature=_bounded(body, "temperature", 1.0, 0.0, 2.0),
                        top_p=_bounded(body, "top_p", 1.0, 0.0, 1.0), max_tokens=max_tokens, stop=tuple(stop),
-                       seed=secrets.randbits(31) if seed is None else seed % (1 << 31))
+                       seed=secrets.randbits(31) if seed is None else seed % (1 << 31), tools=tools)
+
+
+def _message(k: int, m) -> dict:
+    """``messages[k]`` checked and normalised: content as one string (an array of text parts joined),
+    ``developer`` as ``system``; an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` kept."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise BadRequest(f"messages[{k}] must be {{'role': one of {ROLES}, 'content': ...}}")
+    if set(m) - MESSAGE_FIELDS:
+        raise BadRequest(f"messages[{k}] has unsupported field(s) {sorted(set(m) - MESSAGE_FIELDS)}")
+    role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise BadRequest(f"messages[{k}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+        content = "".join(p["text"] for p in content)
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise BadRequest(f"messages[{k}].tool_calls must be an assistant's list of {{'function': {{'name', "
+                             "'arguments'}}}} objects")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise BadRequest(f"messages[{k}].content must be a string or a list of text parts")
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id", ""))
+    return out
 
 
 def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
@@ -340,8 +394,11 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
         except BadRequest as e:
             return error(400, str(e))
         rows = await batcher.submit(request)
-        choices = [{"index": k, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                    "logprobs": None} for k, (text, reason, _) in enumerate(rows)]
+        choices = []
+        for k, (text, reason, _) in enumerate(rows):
+            message, called = reply_message(text, request.tools)
+            choices.append({"index": k, "message": message, "finish_reason": "tool_calls" if called else reason,
+                            "logprobs": None})
         completion = sum(n for _, _, n in rows)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or model_name, "choices": choices,

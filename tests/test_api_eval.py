@@ -274,3 +274,68 @@ def test_remote_settings_fail_early_with_the_fix(tmp_path, monkeypatch):
     c.model.provider = "mistral"
     with pytest.raises(ConfigError, match="model.provider='mistral' is not valid; allowed: local, openai, anthropic"):
         resolve(c)
+
+
+# ---- a hosted model that calls tools through the API's ``tools`` parameter ---------------------------
+class ToolCaller:
+    """A scripted tool-calling model: with no tool result yet it calls ``search`` with the question
+    (OpenAI ``tool_calls``, no text); once the last user message holds a result, it answers with the
+    result's first capitalised word after "in". It records the ``tools`` each request carried."""
+
+    def __init__(self):
+        self.tools: list = []
+        app = fastapi.FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: fastapi.Request):
+            body = await request.json()
+            self.tools.append(body.get("tools"))
+            users = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            question = users[0].split("Question: ", 1)[1].split("\n", 1)[0]
+            if "<tool_response>" not in users[-1]:
+                message = {"role": "assistant", "content": "<think>I should search.</think>", "tool_calls": [
+                    {"id": "call_0", "type": "function",
+                     "function": {"name": "search", "arguments": json.dumps({"query": question})}}]}
+                finish = "tool_calls"
+            else:
+                words = users[-1].split(" in ", 1)[-1].split()
+                message = {"role": "assistant", "content": f"<think>Found it.</think><answer>finish[{words[0].strip('.,')}]"}
+                finish = "stop"
+            return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+        self.app = app
+
+
+def test_a_hosted_model_calls_our_tools_through_the_api(tmp_path):
+    """The tool task through a hosted model's own tool calling: every request carries the
+    environment's tool schema as ``tools``; the returned ``tool_calls`` reach the environment as a
+    local model's <tool_call> text would (the tool runs, its result comes back as <tool_response>),
+    the final answer is scored. ``model.api_tools=False`` sends no ``tools``."""
+    pytest.importorskip("bm25s")
+    from configs import search_tools
+
+    caller = ToolCaller()
+    with serving(caller.app) as base:
+        c = search_tools.get_config()
+        c.workdir = str(tmp_path)
+        c.mode = "eval"
+        c.eval.num_episodes = 4
+        c.eval.temperature = 0.0
+        c.trainer.progress_bar = False
+        c.rollout.context_mode = "full"
+        c.model.update(dict(provider="openai", base_url=base + "/v1", name="tool-caller"))
+        metrics = run_eval(resolve(c))
+        records = _records(tmp_path / "eval" / "transcripts_tool-caller.jsonl")
+        sent = caller.tools
+        assert sent and all(t is not None and [x["function"]["name"] for x in t] == ["search"] for t in sent)
+        for r in records:
+            assert "api_error" not in r and r["num_turns"] == 2
+            assert '<answer><tool_call>\n{"name": "search", "arguments": {"query": ' in r["transcript"]
+            assert "<tool_response>" in r["transcript"]
+        assert metrics["val/valid_action_rate"] == 1.0
+        c.model.api_tools = False
+        caller.tools.clear()
+        run_eval(resolve(c))
+        assert caller.tools and all(t is None for t in caller.tools)

@@ -117,7 +117,11 @@ def _post(server, body: bytes):
     ({"messages": MESSAGES, "n": 9}, 400, "'n' must be an integer in [1, 8]"),
     ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
     ({"messages": []}, 400, "'messages' must be a non-empty list"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "only text parts"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": "required"},
+     400, "'tool_choice' 'required' is not supported"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools[0]"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "over the server's limit of 4096 bytes"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_problem(server, body, status, fragment):
@@ -182,3 +186,53 @@ def test_a_body_that_stalls_gets_a_408(server):
     assert time.time() - t0 < 8
     reply = _client(server).chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=4)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the corpus.",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                          "required": ["query"]}}}
+
+
+def test_tools_and_tool_results_reach_the_model_as_toolenv_writes_them(server):
+    """The tiny model's template lists no tools: the server writes the listing into the system message
+    and the call and its result as ToolEnv's episodes do (hand-written below); the greedy reply is
+    the plain greedy decode of that text. Text parts and the developer role are read as plain text."""
+    from ragen_jax.tools.openai_format import tools_listing
+
+    conversation = [{"role": "developer", "content": [{"type": "text", "text": "You are a helpful "},
+                                                      {"type": "text", "text": "agent."}]},
+                    MESSAGES[1],
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "G"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "G is the goal."}]
+    written = [{"role": "system", "content": "You are a helpful agent.\n\n" + tools_listing([SEARCH])},
+               MESSAGES[1],
+               {"role": "assistant", "content": '<tool_call>\n{"name": "search", "arguments": {"query": "G"}}\n</tool_call>'},
+               {"role": "user", "content": "<tool_response>\nG is the goal.\n</tool_response>"}]
+    reply = _client(server).chat.completions.create(model="x", messages=conversation, tools=[SEARCH], temperature=0,
+                                                    max_tokens=16)
+    expected = _greedy_reference(server["reference"], _chat_text(server["reference"], written), 16,
+                                 set(server["generator"].stop_ids.tolist()))
+    assert reply.choices[0].message.content == expected and reply.choices[0].message.tool_calls is None
+    # tool_choice="none": the tools are not listed at all.
+    plain = _client(server).chat.completions.create(model="x", messages=MESSAGES, tools=[SEARCH], tool_choice="none",
+                                                    temperature=0, max_tokens=16)
+    assert plain.choices[0].message.content == _greedy_reference(
+        server["reference"], _chat_text(server["reference"], MESSAGES), 16, set(server["generator"].stop_ids.tolist()))
+
+
+def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(server, monkeypatch):
+    """What the model writes is replaced by a canned reply (the tiny model does not call tools): the
+    client reads its <tool_call> block as OpenAI's tool_calls, finish_reason "tool_calls"."""
+    canned = 'I will search.<tool_call>{"name": "search", "arguments": {"query": "Ann"}}</tool_call>'
+    monkeypatch.setattr(server["generator"], "run", lambda requests: [[(canned, "stop", 9)] * r.n for r in requests])
+    client = _client(server)
+    reply = client.chat.completions.create(model="x", messages=MESSAGES, tools=[SEARCH], max_tokens=16)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will search."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "search"
+    assert json.loads(call.function.arguments) == {"query": "Ann"}
+    # Without tools in the request the same text is plain content.
+    reply = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=16)
+    assert reply.choices[0].message.content == canned and reply.choices[0].finish_reason == "stop"

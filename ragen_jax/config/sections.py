@@ -83,12 +83,16 @@ class ModelSection(Section):
     429 / 5xx / timeouts / dropped connections, ``request_timeout_s`` each.
     ``continue_final_message``: send the forced reply opening (``<think>``) as a last assistant
     message for the server to continue (``ragen_jax.serve``, vLLM, Anthropic); otherwise the reply is
-    expected to start with it.
+    expected to start with it. ``api_tools``: a tool environment's tools also go through the API's
+    ``tools`` parameter (the hosted model's own tool calling); the ``tool_calls`` it returns enter the
+    transcript as ``<tool_call>`` text in the reply's ``<answer>``, where the environment reads them as
+    it reads a local model's (``tools.openai_format.calls_in_answer``). False: the tools only as the
+    system prompt lists them, as the local model sees them.
     """
 
     KEY = "model"
     API_KEYS = ("provider", "base_url", "name", "api_key_env", "max_concurrency", "max_retries",
-                "request_timeout_s", "continue_final_message")
+                "request_timeout_s", "continue_final_message", "api_tools")
 
     preset: str = "tiny"
     path: Optional[str] = None
@@ -112,6 +116,7 @@ class ModelSection(Section):
     max_retries: int = 3
     request_timeout_s: float = 60.0
     continue_final_message: bool = False
+    api_tools: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.chat import ChatFraming, split_conversation
+from ragen_jax.tools.openai_format import calls_in_answer
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -64,10 +65,12 @@ class ChatClient:
     exception.
     """
 
-    def __init__(self, model_section, *, progress: bool = True):
+    def __init__(self, model_section, *, progress: bool = True, tools: list[dict] | None = None):
         import openai
 
         m = model_section
+        # A tool environment's schemas, sent as the API's ``tools`` (``model.api_tools``).
+        self.tools = list(tools) if tools and m.api_tools else None
         self.model = m.name
         self.base_url = m.api_base_url
         self.continue_final_message = bool(m.continue_final_message)
@@ -112,11 +115,17 @@ class ChatClient:
             kwargs["top_p"] = sampling["top_p"]
         if sampling["stop"]:
             kwargs["stop"] = sampling["stop"]
+        if self.tools:
+            kwargs["tools"] = self.tools
         try:
             response = self._client.chat.completions.create(**kwargs)
             choice = response.choices[0]
             text = choice.message.content or ""
             finish = choice.finish_reason or "stop"
+            calls = choice.message.tool_calls or []
+            if calls:  # the transcript holds them as a local model writes them; the reply ended there
+                text = calls_in_answer(text, [c.model_dump() for c in calls])
+                finish = "stop"
             result = Completion(text=text, finish_reason=finish)
         except (openai.OpenAIError, IndexError, AttributeError, TypeError, ValueError) as e:
             # An error status after the retries, a timeout, a dropped connection, or a body that is

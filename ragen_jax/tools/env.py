@@ -16,7 +16,6 @@ search_*.jsonl``: one- and two-hop questions about fictional people and towns) w
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Callable, Sequence
 
@@ -25,6 +24,7 @@ from environments.text.search_qa import DEFAULT_QUESTIONS, score_answer, shared_
 from ragen_jax.rollout.chat import system_with_tools
 from ragen_jax.tools.builtin import search_tool
 from ragen_jax.tools.calls import parse_calls, run_calls
+from ragen_jax.tools.openai_format import tools_listing
 from ragen_jax.tools.schema import Tool
 
 _FINISH = re.compile(r"^\s*(?:finish|answer)\[(.*)\]\s*$", flags=re.DOTALL)
@@ -38,13 +38,7 @@ REPLY_FORMAT = ("Think inside <think> </think>. Put your tool calls, or your fin
 def tools_instruction(tools: Sequence[Tool], task: str) -> str:
     """The system prompt's tool section, in the words Qwen2.5's chat template uses for ``tools=``:
     what a tokenizer whose template lists no tools is shown (``ToolEnv.instruction_for``)."""
-    schemas = "\n".join(json.dumps(t.schema, ensure_ascii=False) for t in tools)
-    return (f"{task}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{schemas}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            f"<args-json-object>}}\n</tool_call>\n{REPLY_FORMAT}\n")
+    return f"{task}\n\n{tools_listing([t.schema for t in tools])}\n{REPLY_FORMAT}\n"
 
 
 class ToolEnv:

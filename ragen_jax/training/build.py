@@ -92,3 +92,12 @@ def build_env(spec: RunSpec, tokenizer=None):
     env = environments.make(spec.env_name, **spec.env_kwargs)
     params = env.default_params(**spec.env_param_kwargs)
     return env, params
+
+
+def env_tool_schemas(spec) -> list[dict] | None:
+    """The OpenAI function schemas of a tool environment's tools (``tools.env.ToolEnv``), for a hosted
+    model's ``tools`` parameter; None for any other environment."""
+    if not environments.is_host(spec.env_name):
+        return None
+    tools = getattr(environments.env_class(spec.env_name)(**spec.env_kwargs), "tools", None)
+    return [t.schema for t in tools.values()] if isinstance(tools, dict) and tools else None
