@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ragen_jax.registry import Registry
 from ragen_jax.starpo.reductions import check_group_size, group_mean_std, group_std, group_view, masked_whiten
-from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
 

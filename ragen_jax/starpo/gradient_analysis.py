@@ -30,13 +30,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ragen_jax.registry import Registry
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
-from ragen_jax.starpo import advantages as adv_lib
-from ragen_jax.starpo import losses, reductions
-from ragen_jax.starpo import update as upd
+from ragen_jax.starpo import advantages as adv_lib, losses, reductions, update as upd
 from ragen_jax.starpo.logprobs import sequence_logprobs
-from ragen_jax.starpo.registry import Registry
 
 BUCKETINGS = Registry("gradient-analysis bucketing")
 COMPONENTS = ("task", "entropy", "kl")

@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from ragen_jax.registry import Registry
 from ragen_jax.starpo.reductions import masked_mean, masked_row_mean
-from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
 

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ragen_jax.registry import Registry
 from ragen_jax.starpo.reductions import group_std, masked_row_mean
-from ragen_jax.starpo.registry import Registry
 
 Array = jax.Array
 Scalar = Union[float, Array]

@@ -25,7 +25,7 @@ import re
 import time
 from typing import Callable, Optional, Sequence
 
-from ragen_jax.starpo.registry import Registry
+from ragen_jax.registry import Registry
 from ragen_jax.tools.schema import Tool, check_arguments
 
 MAX_CALLS_PER_REPLY = 8  # calls past this many are reported, not run

@@ -252,7 +252,7 @@ def test_empty_mask_gives_finite_zeros(estimator):
 
 
 def test_registry_behaviour():
-    from ragen_jax.starpo.registry import Registry
+    from ragen_jax.registry import Registry
 
     reg = Registry("widget")
     reg.register("a", "alias_a")(len)

@@ -72,3 +72,13 @@ def test_a_hosted_models_calls_enter_the_transcript_inside_its_answer():
     assert calls_in_answer("<think>a</think><answer>", [call]) == f"<think>a</think><answer>{block}</answer>"
     assert calls_in_answer("<think>a</think><answer>x</answer>", [call]) == f"<think>a</think><answer>x{block}</answer>"
     assert calls_in_answer("<think>a</think>", []) == "<think>a</think>"
+
+
+@pytest.mark.parametrize("module", ["ragen_jax.tools.openai_format", "ragen_jax.tools.calls", "ragen_jax.tools.env"])
+def test_the_tool_modules_import_first_in_a_fresh_interpreter(module):
+    """No import cycle through the rollout (the server and the remote evaluation import these)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
