@@ -268,3 +268,42 @@ def test_the_tools_reach_the_model_through_its_chat_templates_tools_argument():
     cfg = search_tools.get_config()
     host_env, _ = build_env(resolve(cfg), listing)
     assert host_env.instruction == expected
+
+
+def test_tool_output_never_enters_the_loss():
+    """A rollout of the tool task with scripted replies (a search call, then the answer): the tokens the
+    loss sees decode to exactly the two replies; the tool's output, which the transcript holds in
+    <tool_response> tags, is none of them. Fixed seed (config.seed), scripted replies: deterministic."""
+    pytest.importorskip("bm25s")
+    import jax
+    import numpy as np
+
+    from configs import search_tools
+    from ragen_jax.config import resolve
+    from ragen_jax.rollout.carry import ForcedReplies
+    from ragen_jax.starpo.train_state import policy_params
+    from ragen_jax.training.run import setup
+
+    c = search_tools.get_config()
+    c.rollout.update(dict(num_groups=1, group_size=2, max_turns=2, max_actions_per_traj=2))
+    c.env.max_turns = 2
+    run = setup(resolve(c))
+    tok = run.tokenizer
+    replies = ['I will search.</think><answer><tool_call>{"name": "search", "arguments": '
+               '{"query": "Anouk Brennan born"}}</tool_call></answer>',
+               "Found it.</think><answer>finish[Kessock]</answer>"]
+    ids = [tok(r, add_special_tokens=False)["input_ids"] for r in replies]
+    width = max(map(len, ids))
+    assert width <= c.rollout.max_new_tokens
+    tokens = np.zeros((2, 2, width), np.int32)
+    for t, row in enumerate(ids):
+        tokens[:, t, :len(row)] = row
+    forced = ForcedReplies(tokens=tokens, lengths=np.asarray([[len(i) for i in ids]] * 2, np.int32))
+    traj = run.rollout(policy_params(run.train_state), jax.random.key(0), forced=forced)
+    for b in range(2):
+        buf, mask = np.asarray(traj.tokens[b]), np.asarray(traj.loss_mask[b])
+        transcript = tok.decode(buf[np.asarray(traj.valid_mask[b])])
+        assert "<tool_response>" in transcript and "</tool_response>" in transcript
+        learned = tok.decode(buf[mask])
+        assert learned.replace(tok.eos_token, "") == "".join(replies)
+        assert "<tool_response>" not in learned
