@@ -1,4 +1,5 @@
-"""Serve a policy behind an OpenAI-compatible API: ``/v1/chat/completions`` and ``/v1/models``.
+"""Serve a policy behind an OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models`` and ``/v1/models/{id}``.
 
     python -m ragen_jax.serve --workdir runs/frozen_lake            # the run's newest checkpoint
     python -m ragen_jax.serve --config configs/sokoban_ragen.py --config.model.preset=qwen2.5-0.5b \\
@@ -8,24 +9,29 @@ A workdir is served with the config it was trained with (``config.json``) and it
 checkpoint; a LoRA run's adapters go onto the base its config names. Any OpenAI client talks to it:
 ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")``.
 
-Requests that arrive together share one decode: a batcher collects what is waiting (up to
-``--max_batch`` rows, ``n`` rows per request, for at most ``--batch_window_ms``), pads the prompts to
-one length and runs prefill + ``models.sampler.generate`` once for all of them, each row with its own
-temperature, top-p and key. Shapes are bucketed (rows and prompt length to powers of two, the token
-budget to multiples of 64), so a handful of programs serve every request.
+Continuous batching (``serve_engine.Engine``): every request's rows join a running decode between
+chunks of steps and leave it at their own stop or length, so many clients share the model and a
+short reply never waits for a long one; a request whose client goes away frees its rows at once.
+At most ``--max_queue`` requests wait for a row; past that a request is answered 429 with
+``Retry-After``.
 
-Supported fields: ``model``, ``messages`` (``system`` / ``developer`` / ``user`` / ``assistant`` /
-``tool``; content a string or an array of text parts; an assistant's ``tool_calls``; a last
-``assistant`` message is continued rather than answered), ``temperature``, ``top_p``, ``max_tokens``
-(<= ``--max_tokens_limit``), ``stop`` (up to 4 strings: the reply is cut before the first,
-``finish_reason`` "stop"), ``n`` (<= 8), ``seed``, ``tools`` with ``tool_choice`` "auto" or "none": the
-tools are listed as the model's chat template lists them (or, where it lists none, in Qwen2.5's words
-in the system message), and a reply's ``<tool_call>{...}</tool_call>`` blocks come back as
-``tool_calls`` with ``finish_reason`` "tool_calls" (``tools.openai_format``). Any other field
-(``stream``, ``logprobs``, ...) is refused with a 400 that names it; a body over
-``--max_body_bytes`` with a 413, one that has not arrived 10 s after its head with a 408 (and a
-connection that has not sent a request head within 5 s is closed). The server binds 127.0.0.1 unless ``--host`` says otherwise, and
-then warns: it has no authentication.
+Chat fields: ``model`` (the served id; another is a 404), ``messages`` (``system`` / ``developer`` /
+``user`` / ``assistant`` / ``tool``; content a string or an array of text parts; an assistant's
+``tool_calls``; a last ``assistant`` message is continued rather than answered), ``temperature``,
+``top_p``, ``max_tokens`` / ``max_completion_tokens`` (<= ``--max_tokens_limit``), ``stop`` (up to 4
+strings: the reply is cut before the first, ``finish_reason`` "stop"), ``n`` (<= 8), ``seed``,
+``presence_penalty`` / ``frequency_penalty``, ``logprobs`` with ``top_logprobs`` (<= 20; the model's
+log-probs at temperature 1), ``stream`` with ``stream_options.include_usage`` (server-sent events),
+``response_format`` ``{"type": "text"}``, ``user``, ``tools`` with ``tool_choice`` "auto" or "none":
+the tools are listed as the model's chat template lists them (or, where it lists none, in Qwen2.5's
+words in the system message), and a reply's ``<tool_call>{...}</tool_call>`` blocks come back as
+``tool_calls`` with ``finish_reason`` "tool_calls" (``tools.openai_format``). ``/v1/completions``
+takes ``prompt`` (a string or a list of strings), the same sampling fields, ``logprobs`` (<= 5) and
+``stream``. Any other field is refused with a 400 that names it. Every error is OpenAI-shaped
+(``{"error": {"message", "type", "param", "code"}}``): a body over ``--max_body_bytes`` is a 413, one
+that has not arrived 10 s after its head a 408 (and a connection that has not sent a request head
+within 5 s is closed), JSON nested over 64 levels or a string with a lone surrogate a 400. The
+server binds 127.0.0.1 unless ``--host`` says otherwise, and then warns: it has no authentication.
 
 ``--tokenization rollout`` (the default with ``--workdir``) tokenises a conversation as the rollout
 writes it — message by message, a user message line by line — so a policy trained here is served the
@@ -47,14 +53,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -62,11 +67,9 @@ from environments.text.request_body import BodyTooLarge, HeadTimeoutH11Protocol,
 from ragen_jax.compare import apply_overrides, parse_value
 from ragen_jax.config import ConfigError, resolve
 from ragen_jax.launch import load_config_file
-from ragen_jax.models.decoder import pack_for_decode
-from ragen_jax.models.kv_cache import init_cache
 from ragen_jax.models.lora import merge_lora
-from ragen_jax.models.sampler import SamplingConfig, generate, prefill
 from ragen_jax.rollout.chat import chat_framing, conversation_segments, system_with_tools
+from ragen_jax.serve_engine import TOP_LOGPROBS, Engine, Job, QueueFull
 from ragen_jax.starpo.train_state import policy_params
 from ragen_jax.tools.openai_format import as_plain_chat, check_tools, for_template, reply_message
 from ragen_jax.training.checkpoint import Checkpointer
@@ -80,16 +83,21 @@ MAX_STOP = 4
 # here saw. BPE over the whole text can merge across those seams ("\n" + "\n" -> "\n\n").
 TOKENIZATIONS = ("template", "rollout")
 MAX_N = 8
-TOKEN_BUCKET = 64
+MAX_DEPTH = 64  # JSON nesting a request may have (a chat body needs 6)
+DISCONNECT_POLL_S = 0.25
 
 
-def _bucket_pow2(n: int, cap: int) -> int:
-    return min(cap, 1 << max(0, (n - 1).bit_length()))
+class BadRequest(ValueError):
+    """A request the server refuses with a 400 (or ``status``); the message names the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
 
 
 @dataclasses.dataclass
 class ChatRequest:
-    """One chat completion's rows: ``prompt`` token ids, and how each of its ``n`` rows samples."""
+    """One request's rows: ``prompt`` token ids, and how each of its ``n`` rows samples and ends."""
 
     prompt: list[int]
     n: int
@@ -99,34 +107,114 @@ class ChatRequest:
     stop: tuple[str, ...]
     seed: int
     tools: list | None = None  # OpenAI function schemas: replies' <tool_call> blocks come back as tool_calls
-    future: Any = None  # asyncio.Future set by the batcher: list of (text, finish_reason, tokens)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+
+
+class Row:
+    """One row of a request as it decodes: the tokens so far, the text a client has been sent, and
+    how it ended. ``feed`` takes the engine's events (on the event loop) and returns the new text
+    delta with its tokens' log-probs; a stop string ends the row (its job is cancelled) and is never
+    sent, nor is text that may still become one, nor a half-decoded character."""
+
+    def __init__(self, generator: "Generator", request: ChatRequest, index: int):
+        self.generator, self.request, self.index = generator, request, index
+        self.ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.sent = 0  # characters of the text already returned
+        self.sent_tokens = 0  # tokens whose log-probs were returned
+        self.finish: str | None = None
+        self.job = None
+
+    def text(self) -> str:
+        return self.generator.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def feed(self, kind: str, payload) -> tuple[str, list[dict]]:
+        if self.finish is not None:
+            return "", []
+        if kind == "end":
+            self.finish = "length" if payload == "length" else "stop"
+            if str(payload).startswith("error"):
+                self.finish = "error"
+            return self._delta(final=True)
+        ids, lps, (top_ids, top_lps) = payload
+        for k, (t, lp) in enumerate(zip(ids, lps)):
+            self.ids.append(int(t))
+            if self.request.logprobs:
+                self.logprobs.append(self.generator.logprob_entry(int(t), lp, top_ids[k], top_lps[k],
+                                                                  self.request.top_logprobs))
+        text = self.text()
+        cut = [text.index(s) for s in self.request.stop if s in text]
+        if cut:
+            self.finish = "stop"
+            self.job.cancelled = True
+            return self._delta(final=True, end=min(cut))
+        return self._delta(final=False)
+
+    def _delta(self, final: bool, end: int | None = None) -> tuple[str, list[dict]]:
+        text = self.text()
+        if end is None:
+            end = len(text)
+            if not final:
+                while end > self.sent and text[end - 1] == "\ufffd":  # a character still being decoded
+                    end -= 1
+                hold = max((k for s in self.request.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])),
+                           default=0)
+                end -= hold  # text that may still turn into a stop string
+        delta = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        # The log-probs of the tokens whose text is now out (all of them once the row ended, up to
+        # the stop string's cut).
+        done = len(self.ids) if final and end == len(text) else self._tokens_within(end)
+        entries = self.logprobs[self.sent_tokens:done]
+        self.sent_tokens = max(self.sent_tokens, done)
+        return delta, entries
+
+    def _tokens_within(self, chars: int) -> int:
+        k = len(self.ids)
+        while k > self.sent_tokens and len(self.generator.tokenizer.decode(self.ids[:k], skip_special_tokens=True)) > chars:
+            k -= 1
+        return k
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.ids)
 
 
 class Generator:
-    """Prefill + sampling over a padded batch of prompts, one compiled program per bucket.
+    """The served model: its tokenizer and chat framing, and the continuous-batching ``Engine``.
 
-    ``params`` is the policy's whole state (a LoRA run's adapters merged with their base).
+    ``params`` is the policy's whole state (a LoRA run's adapters merged with their base);
+    ``max_batch`` rows decode at once.
     """
 
     def __init__(self, graphdef, params, model_cfg, tokenizer, *, max_seq_len: int, max_batch: int,
-                 tokenization: str = "template"):
+                 tokenization: str = "template", chunk: int = 8, max_queue: int = 256):
         if tokenization not in TOKENIZATIONS:
             raise ValueError(f"tokenization={tokenization!r}; allowed: {', '.join(TOKENIZATIONS)}")
-        self.graphdef, self.model_cfg, self.tokenizer = graphdef, model_cfg, tokenizer
-        # Packed once, at load, for the CPU matmul kernel (a no-op elsewhere: decoder.pack_for_decode).
-        self.params = jax.jit(lambda p: pack_for_decode(graphdef, p))(params)
+        self.model_cfg, self.tokenizer = model_cfg, tokenizer
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.tokenization = tokenization
-        framing = chat_framing(tokenizer)
-        self.framing = framing
-        stop = {tokenizer.convert_tokens_to_ids(framing.end_of_turn)}
+        self.framing = chat_framing(tokenizer)
+        stop = {tokenizer.convert_tokens_to_ids(self.framing.end_of_turn)}
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
         self.stop_ids = np.asarray(sorted(i for i in stop if i is not None and i >= 0), np.int32)
-        # One compiled program per (rows, prompt width) shape and token budget (static).
-        self._decode = jax.jit(self._decode_batch, static_argnames="budget")
-        self._lock = threading.Lock()  # one decode at a time (the batcher already serialises them)
-        self.batches_run = 0
+        self.engine = Engine(graphdef, params, model_cfg, self.stop_ids, slots=max_batch, max_seq_len=max_seq_len,
+                             chunk=chunk, max_queue=max_queue)
+        self._piece = {}  # token id -> its text (log-prob entries)
+
+    @property
+    def batches_run(self) -> int:
+        """Decode chunks run so far (every live row takes part in each)."""
+        return self.engine.stats["decode_chunks"]
+
+    def close(self) -> None:
+        self.engine.close()
 
     def lists_tools(self, tools: list[dict]) -> bool:
         """Whether this model's chat template lists ``tools`` itself (``apply_chat_template(tools=)``)."""
@@ -159,116 +247,58 @@ class Generator:
                 return [i for p in pieces for i in self.tokenizer(p, add_special_tokens=False)["input_ids"]]
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _decode_batch(self, params, tokens, lengths, keys, temperature, top_p, *, budget: int):
-        """Prefill each row's prompt (``tokens [B, W]``, ``lengths [B]``), then sample up to ``budget``
-        tokens per row -> ``(tokens [B, budget], lengths [B], stopped [B])``."""
-        rows, width = tokens.shape
-        model = nnx.merge(self.graphdef, params)
-        cache = init_cache(self.model_cfg, rows, width + budget)
-        last, cache = prefill(model, cache, tokens, jnp.zeros((rows,), jnp.int32), lengths)
-        sampling = SamplingConfig(temperature=temperature, top_k=jnp.zeros((rows,), jnp.int32), top_p=top_p)
-        out = generate(model, cache, last, lengths, lengths > 0, keys, sampling, jnp.asarray(self.stop_ids),
-                       jnp.full((0, 0), -1, jnp.int32), budget)
-        return out.tokens, out.lengths, out.stopped
+    def logprob_entry(self, token: int, logprob: float, top_ids, top_lps, top: int) -> dict:
+        """One token's log-prob in OpenAI's chat form (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+        def piece(i: int) -> dict:
+            text = self._piece.get(i)
+            if text is None:
+                text = self._piece[i] = self.tokenizer.decode([i])
+            return {"token": text, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+        return {**piece(token), "logprob": float(logprob),
+                "top_logprobs": [{**piece(int(i)), "logprob": float(lp)} for i, lp in zip(top_ids[:top], top_lps[:top])]}
+
+    def start(self, request: ChatRequest, on_event: Callable[[Row, str, Any], None]) -> list[Row]:
+        """Submit ``request``'s rows to the engine; ``on_event(row, kind, payload)`` is called from the
+        engine's thread. Raises ``QueueFull`` when the engine's queue is full (no row was queued)."""
+        if self.engine.waiting.qsize() + request.n > self.engine.max_queue:
+            raise QueueFull(f"{self.engine.waiting.qsize()} requests are waiting (the queue holds "
+                            f"{self.engine.max_queue})")
+        rows = [Row(self, request, k) for k in range(request.n)]
+        for row in rows:
+            row.job = Job(prompt=request.prompt, max_tokens=request.max_tokens, temperature=request.temperature,
+                          top_p=request.top_p, seed=request.seed, row=row.index,
+                          presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                          emit=lambda kind, payload, row=row: on_event(row, kind, payload))
+            self.engine.submit(row.job)
+        return rows
 
     def run(self, requests: list[ChatRequest]) -> list[list[tuple[str, str, int]]]:
-        """Every row of ``requests`` in one decode -> per request, per row ``(text, finish_reason,
-        completion tokens)``."""
-        rows = [(i, j) for i, r in enumerate(requests) for j in range(r.n)]
-        # Every request's prompt + max_tokens fits max_seq_len (parse_request); the cache holds the
-        # bucketed width + the bucketed budget, so each row gets at least its own max_tokens.
-        width = _bucket_pow2(max(len(r.prompt) for r in requests), self.max_seq_len)
-        budget = -(-max(r.max_tokens for r in requests) // TOKEN_BUCKET) * TOKEN_BUCKET
-        batch = _bucket_pow2(len(rows), self.max_batch)
-        tokens = np.zeros((batch, width), np.int32)
-        lengths = np.zeros((batch,), np.int32)
-        temperature = np.zeros((batch,), np.float32)
-        top_p = np.ones((batch,), np.float32)
-        keys = []
-        for b, (i, j) in enumerate(rows):
-            r = requests[i]
-            tokens[b, :len(r.prompt)] = r.prompt
-            lengths[b] = len(r.prompt)
-            temperature[b], top_p[b] = r.temperature, r.top_p
-            keys.append(jax.random.fold_in(jax.random.key(r.seed), j))
-        keys += [jax.random.key(0)] * (batch - len(rows))
-        with self._lock:
-            out_tokens, out_lengths, stopped = self._decode(
-                self.params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.stack(keys), jnp.asarray(temperature),
-                jnp.asarray(top_p), budget=budget)
-            out_tokens, out_lengths, stopped = jax.device_get((out_tokens, out_lengths, stopped))
-            self.batches_run += 1
-        results: list[list] = [[] for _ in requests]
-        for b, (i, j) in enumerate(rows):
-            results[i].append(self._finish(requests[i], out_tokens[b], int(out_lengths[b]), bool(stopped[b])))
-        return results
+        """Every row of ``requests`` decoded in process (no HTTP), sharing the engine's batch -> per
+        request, per row ``(text, finish_reason, completion tokens)``."""
+        done = threading.Semaphore(0)
+        all_rows = []
 
-    def _finish(self, r: ChatRequest, tokens: np.ndarray, length: int, stopped: bool) -> tuple[str, str, int]:
-        """The reply text (the stop token and anything past the request's budget or its first stop
-        string left out) and why it ended."""
-        ids = [int(t) for t in tokens[:min(length, r.max_tokens)]]
-        ended = stopped and length <= r.max_tokens
-        if ended:
-            ids = ids[:-1]  # the end-of-turn / eos token is not part of the message
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = [text.index(s) for s in r.stop if s in text]
-        if cut:
-            return text[:min(cut)], "stop", len(ids)
-        return text, "stop" if ended else "length", len(ids)
+        def on_event(row: Row, kind: str, payload) -> None:
+            row.feed(kind, payload)
+            if kind == "end":
+                done.release()
+
+        for r in requests:
+            all_rows.append(self.start(r, on_event))
+        for _ in range(sum(r.n for r in requests)):
+            done.acquire()
+        return [[(row.text_out(), row.finish, row.completion_tokens) for row in rows] for rows in all_rows]
 
 
-class Batcher:
-    """Collects concurrent requests into decode batches (one decode at a time, in a worker thread)."""
-
-    def __init__(self, generator: Generator, window_s: float):
-        self.generator, self.window_s = generator, window_s
-        self.queue: asyncio.Queue | None = None
-        self.requests_served = 0
-
-    async def submit(self, request: ChatRequest):
-        request.future = asyncio.get_running_loop().create_future()
-        await self.queue.put(request)
-        return await request.future
-
-    async def worker(self) -> None:
-        while True:
-            first = await self.queue.get()
-            batch, rows = [first], first.n
-            deadline = time.monotonic() + self.window_s
-            while rows < self.generator.max_batch:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    break
-                try:
-                    nxt = await asyncio.wait_for(self.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    break
-                if rows + nxt.n > self.generator.max_batch:
-                    await self.queue.put(nxt)  # the next batch's (order within a window is not kept)
-                    break
-                batch.append(nxt)
-                rows += nxt.n
-            try:
-                results = await asyncio.to_thread(self.generator.run, batch)
-            except Exception as e:  # noqa: BLE001 - each waiting request gets the error
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                continue
-            self.requests_served += len(batch)
-            for r, res in zip(batch, results):
-                if not r.future.done():
-                    r.future.set_result(res)
+def _row_text_out(self: Row) -> str:
+    """The reply as returned: up to the first stop string."""
+    text = self.text()
+    cut = [text.index(s) for s in self.request.stop if s in text]
+    return text[:min(cut)] if cut else text
 
 
-class BadRequest(ValueError):
-    """A request the server refuses with a 400; the message names the field."""
-
-
-ALLOWED_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "stop", "n", "seed", "tools",
-                  "tool_choice"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+Row.text_out = _row_text_out
 
 
 def _bounded(body: dict, key: str, default, low, high, *, integer: bool = False):
@@ -278,48 +308,118 @@ def _bounded(body: dict, key: str, default, low, high, *, integer: bool = False)
         return default
     kinds = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
-        raise BadRequest(f"'{key}' must be {'an integer' if integer else 'a number'} in [{low}, {high}], got {value!r}")
+        raise BadRequest(f"'{key}' must be {'an integer' if integer else 'a number'} in [{low}, {high}], got {value!r}",
+                         param=key)
     return value if integer else float(value)
+
+
+CHAT_FIELDS = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n",
+               "seed", "tools", "tool_choice", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
+               "stream", "stream_options", "response_format", "user"}
+COMPLETION_FIELDS = {"model", "prompt", "temperature", "top_p", "max_tokens", "stop", "n", "seed", "presence_penalty",
+                     "frequency_penalty", "logprobs", "stream", "stream_options", "user", "echo"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
+def _check_fields(body: Any, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unsupported field(s): {', '.join(map(repr, unknown))}; this endpoint supports "
+                         f"{', '.join(sorted(allowed))}", param=unknown[0])
+
+
+def _sampling(body: dict, generator: Generator, max_tokens_limit: int, prompt: list[int], default_tokens: int) -> dict:
+    """The fields every endpoint shares, checked -> ``ChatRequest`` keyword arguments."""
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings", param="stop")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _bounded(body, key, min(default_tokens, max_tokens_limit), 1, max_tokens_limit, integer=True)
+    if len(prompt) + max_tokens > generator.max_seq_len:
+        raise BadRequest(f"the prompt ({len(prompt)} tokens) and {key} ({max_tokens}) exceed the server's "
+                         f"context of {generator.max_seq_len} tokens; shorten the prompt or lower {key}", param=key,
+                         code="context_length_exceeded")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"'seed' must be an integer, got {seed!r}", param="seed")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise BadRequest("'stream_options' must be {'include_usage': true or false}", param="stream_options")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", param="stream")
+    return dict(prompt=prompt, n=_bounded(body, "n", 1, 1, MAX_N, integer=True),
+                temperature=_bounded(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_bounded(body, "top_p", 1.0, 0.0, 1.0), max_tokens=max_tokens, stop=tuple(stop),
+                seed=secrets.randbits(31) if seed is None else seed % (1 << 31),
+                presence_penalty=_bounded(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_bounded(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                stream=stream, include_usage=bool((options or {}).get("include_usage", False)))
 
 
 def parse_request(body: Any, generator: Generator, max_tokens_limit: int) -> ChatRequest:
     """A chat completion body -> ``ChatRequest`` (raises ``BadRequest`` naming the field)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - ALLOWED_FIELDS)
-    if unknown:
-        raise BadRequest(f"unsupported field(s): {', '.join(map(repr, unknown))}; this server supports "
-                         f"{', '.join(sorted(ALLOWED_FIELDS))}")
+    _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", param="messages")
     messages = [_message(k, m) for k, m in enumerate(messages)]
+    if not any(m["role"] in ("user", "system", "tool") for m in messages):
+        raise BadRequest("'messages' needs a system, user or tool message; an assistant message alone has nothing "
+                         "to answer", param="messages")
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise BadRequest(f"'tool_choice' {choice!r} is not supported: use 'auto' (the model decides) or 'none'")
+        raise BadRequest(f"'tool_choice' {choice!r} is not supported: use 'auto' (the model decides) or 'none'",
+                         param="tool_choice")
     if tools is not None:
         try:
             tools = check_tools(tools)
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), param="tools") from None
     if choice == "none":
         tools = None
-    stop = body.get("stop")
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings")
-    max_tokens = _bounded(body, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit, integer=True)
-    prompt = generator.prompt_tokens(messages, tools)
-    if len(prompt) + max_tokens > generator.max_seq_len:
-        raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the server's "
-                         f"context of {generator.max_seq_len} tokens; shorten the messages or lower max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"'seed' must be an integer, got {seed!r}")
-    return ChatRequest(prompt=prompt, n=_bounded(body, "n", 1, 1, MAX_N, integer=True),
-                       temperature=_bounded(body, "temperature", 1.0, 0.0, 2.0),
-                       top_p=_bounded(body, "top_p", 1.0, 0.0, 1.0), max_tokens=max_tokens, stop=tuple(stop),
-                       seed=secrets.randbits(31) if seed is None else seed % (1 << 31), tools=tools)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest(f"'response_format' {fmt!r} is not supported (the reply is not constrained to JSON); "
+                         "only {'type': 'text'}", param="response_format")
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be true or false", param="logprobs")
+    top = _bounded(body, "top_logprobs", 0, 0, TOP_LOGPROBS, integer=True)
+    if top and not logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    try:
+        prompt = generator.prompt_tokens(messages, tools)
+    except Exception as e:  # noqa: BLE001 - a conversation the chat template cannot render
+        raise BadRequest(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                         param="messages") from None
+    return ChatRequest(**_sampling(body, generator, max_tokens_limit, prompt, 256), tools=tools, logprobs=logprobs,
+                       top_logprobs=top)
+
+
+def parse_completion(body: Any, generator: Generator, max_tokens_limit: int) -> list[ChatRequest]:
+    """A legacy ``/v1/completions`` body -> one ``ChatRequest`` per prompt (raw text, no template)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported", param="echo")
+    prompts = body.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise BadRequest("'prompt' must be a non-empty string or a list of non-empty strings", param="prompt")
+    top = body.get("logprobs")
+    top = 0 if top is None else top
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5:
+        raise BadRequest("'logprobs' must be an integer in [0, 5] (top log-probs per token)", param="logprobs")
+    out = []
+    for p in prompts:
+        ids = list(generator.tokenizer(p, add_special_tokens=False)["input_ids"])
+        out.append(ChatRequest(**_sampling(body, generator, max_tokens_limit, ids, 16), logprobs="logprobs" in body
+                               and body["logprobs"] is not None, top_logprobs=top))
+    return out
 
 
 def _message(k: int, m) -> dict:
@@ -350,62 +450,273 @@ def _message(k: int, m) -> dict:
     return out
 
 
+def _depth_ok(raw: bytes) -> bool:
+    """The JSON text nests at most ``MAX_DEPTH`` levels (counted outside strings, before parsing: a
+    5,000-deep body never reaches the parser's recursion)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in raw.decode("utf-8", "replace"):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def _no_lone_surrogates(value) -> bool:
+    """Every string in ``value`` encodes to UTF-8 (JSON may carry a lone ``\\ud800``; a tokenizer cannot)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_no_lone_surrogates(k) and _no_lone_surrogates(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_no_lone_surrogates(v) for v in value)
+    return True
+
+
+def _parse_body(raw: bytes):
+    """The request's JSON (run off the event loop: a large body must not stall other requests)."""
+    if not _depth_ok(raw):
+        raise BadRequest(f"the JSON body nests deeper than {MAX_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("the body is not JSON") from None
+    if not _no_lone_surrogates(body):
+        raise BadRequest("the body holds a string with a lone surrogate (invalid UTF-16 in a \\u escape)")
+    return body
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
 def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
-             batch_window_ms: float = 10.0, body_timeout_s: float = 10.0):
-    """The FastAPI application (``app.state.batcher`` counts requests and decode batches). A body
-    that has not arrived ``body_timeout_s`` after the request head gets a 408."""
-    batcher = Batcher(generator, batch_window_ms / 1000.0)
+             batch_window_ms: float | None = None, body_timeout_s: float = 10.0):
+    """The FastAPI application. A body that has not arrived ``body_timeout_s`` after the request head
+    gets a 408. (``batch_window_ms`` is accepted for compatibility and unused: requests join the
+    running decode between chunks, so there is no window to wait for.)"""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        batcher.queue = asyncio.Queue()  # on the server's own event loop
-        worker = asyncio.create_task(batcher.worker())
         yield
-        worker.cancel()
 
     app = FastAPI(title="ragen_jax policy server", lifespan=lifespan)
-    app.state.batcher = batcher
-
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+    app.state.generator = generator
+    served = {"id": model_name, "object": "model", "created": 0, "owned_by": "ragen_jax"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "ragen_jax"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return _error(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                          param="model", code="model_not_found")
+        return served
 
     @app.get("/stats")
     async def stats():
-        return {"requests": batcher.requests_served, "decode_batches": generator.batches_run}
+        return {**generator.engine.stats, "requests_done": generator.engine.stats["requests"],
+                "decode_batches": generator.batches_run, "busy_rows": generator.engine.busy_slots,
+                "waiting": generator.engine.waiting.qsize()}
+
+    async def read(http: Request, parse):
+        """The body parsed by ``parse`` -> request(s), or the error response."""
+        try:
+            raw = await asyncio.wait_for(read_body(http, max_body_bytes), body_timeout_s)
+            body = await asyncio.to_thread(_parse_body, raw)
+            name = body.get("model") if isinstance(body, dict) else None
+            if name is not None and name != model_name:
+                raise BadRequest(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                                 param="model", status=404, code="model_not_found")
+            return await asyncio.to_thread(parse, body, generator, max_tokens_limit), None
+        except asyncio.TimeoutError:
+            return None, _error(408, f"the body did not arrive within {body_timeout_s:g} s",
+                                headers={"Connection": "close"})
+        except BodyTooLarge as e:
+            return None, _error(e.status, str(e))
+        except BadRequest as e:
+            return None, _error(e.status, str(e), param=e.param, code=e.code)
+
+    def launch(requests: list[ChatRequest]):
+        """Start every row of ``requests`` -> ``(rows per request, queue of (row, kind, payload))``."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(row, kind, payload):
+            loop.call_soon_threadsafe(events.put_nowait, (row, kind, payload))
+
+        started = []
+        try:
+            for r in requests:
+                started.append(generator.start(r, on_event))
+        except QueueFull:
+            cancel([row for rows in started for row in rows])
+            raise
+        return started, events
+
+    def cancel(rows) -> None:
+        for row in rows:
+            if row.job is not None:
+                row.job.cancelled = True
+
+    async def until_done(http: Request, rows, events, on_delta=None) -> bool:
+        """Feed the rows their events until all ended; False when the client went away first (its
+        rows are then cancelled: their slots free at the engine's next chunk)."""
+        pending, checked = len(rows), time.monotonic()
+        while pending:
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:  # between events too: they may never pause
+                checked = time.monotonic()
+                if await http.is_disconnected():
+                    cancel(rows)
+                    return False
+            try:
+                row, kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            if row.finish is not None and kind != "end":
+                continue
+            was_open = row.finish is None
+            delta, entries = row.feed(kind, payload)
+            if on_delta is not None and (delta or entries or (was_open and row.finish is not None)):
+                await on_delta(row, delta, entries)
+            if kind == "end":
+                pending -= 1
+        return True
+
+    def usage(requests: list[ChatRequest], rows) -> dict:
+        prompt = sum(len(r.prompt) for r in requests)
+        completion = sum(row.completion_tokens for row in rows)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chat_choice(row: Row) -> dict:
+        message, called = reply_message(row.text_out(), row.request.tools)
+        finish = "tool_calls" if called else row.finish
+        logprobs = {"content": row.logprobs[:row.sent_tokens]} if row.request.logprobs else None
+        return {"index": row.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+    def completion_choice(row: Row, index: int) -> dict:
+        return {"index": index, "text": row.text_out(), "finish_reason": row.finish,
+                "logprobs": _legacy_logprobs(row.logprobs[:row.sent_tokens]) if row.request.logprobs else None}
+
+    async def respond(http: Request, requests: list[ChatRequest], kind: str):
+        try:
+            started, events = launch(requests)
+        except QueueFull as e:
+            return _error(429, f"the server is busy: {e}; retry shortly", kind="rate_limit_error",
+                          headers={"Retry-After": "1"})
+        rows = [row for rs in started for row in rs]
+        ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
+        created = int(time.time())
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        if requests[0].stream:
+            return StreamingResponse(_stream(http, requests, rows, events, ident, created, kind),
+                                     media_type="text/event-stream")
+        if not await until_done(http, rows, events):
+            return _error(499, "the client closed the request")
+        if any(row.finish == "error" for row in rows):
+            return _error(500, "the decode failed; see the server's log", kind="server_error")
+        if kind == "chat":
+            choices = [chat_choice(row) for row in rows]
+        else:
+            choices = [completion_choice(row, i) for i, row in enumerate(rows)]
+        return {"id": ident, "object": obj, "created": created, "model": model_name, "choices": choices,
+                "usage": usage(requests, rows)}
+
+    async def _stream(http, requests, rows, events, ident, created, kind):
+        """Server-sent events: one chunk per text delta, the finish reason, usage if asked, ``[DONE]``."""
+        out: asyncio.Queue = asyncio.Queue()
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choices, **extra):
+            return {"id": ident, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
+
+        async def on_delta(row, delta, entries):
+            if kind == "chat":
+                if row.request.tools and row.finish is not None:
+                    message, called = reply_message(row.text_out(), row.request.tools)
+                    if called:  # the calls, parsed from the whole reply, in the last chunk
+                        body = {"tool_calls": [dict(c, index=k) for k, c in enumerate(message["tool_calls"])]}
+                        await out.put(chunk([{"index": row.index, "delta": body, "logprobs": None,
+                                              "finish_reason": "tool_calls"}]))
+                        return
+                choice = {"index": row.index, "delta": {"content": delta} if delta else {},
+                          "logprobs": {"content": entries} if row.request.logprobs else None,
+                          "finish_reason": row.finish}
+            else:
+                choice = {"index": row.index, "text": delta, "finish_reason": row.finish,
+                          "logprobs": _legacy_logprobs(entries) if row.request.logprobs else None}
+            await out.put(chunk([choice]))
+
+        if kind == "chat":  # the role first, as OpenAI's stream opens
+            for row in rows:
+                yield _sse(chunk([{"index": row.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}]))
+        task = asyncio.create_task(until_done(http, rows, events, on_delta))
+        try:
+            while True:
+                if task.done() and out.empty():
+                    break
+                try:
+                    item = await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+                yield _sse(item)
+            if requests[0].include_usage:
+                yield _sse(chunk([], usage=usage(requests, rows)))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream (or the stream ended): free every row still decoding
+            cancel(rows)
+            task.cancel()
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        try:
-            body = json.loads(await asyncio.wait_for(read_body(http, max_body_bytes), body_timeout_s))
-            request = parse_request(body, generator, max_tokens_limit)
-        except asyncio.TimeoutError:
-            return JSONResponse({"error": {"message": f"the body did not arrive within {body_timeout_s:g} s",
-                                           "type": "invalid_request_error"}}, status_code=408,
-                                headers={"Connection": "close"})
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "the body is not JSON")
-        except BodyTooLarge as e:
-            return error(e.status, str(e))
-        except BadRequest as e:
-            return error(400, str(e))
-        rows = await batcher.submit(request)
-        choices = []
-        for k, (text, reason, _) in enumerate(rows):
-            message, called = reply_message(text, request.tools)
-            choices.append({"index": k, "message": message, "finish_reason": "tool_calls" if called else reason,
-                            "logprobs": None})
-        completion = sum(n for _, _, n in rows)
-        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
-                          "total_tokens": len(request.prompt) + completion}}
+        request, error = await read(http, parse_request)
+        if error is not None:
+            return error
+        return await respond(http, [request], "chat")
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        requests, error = await read(http, parse_completion)
+        if error is not None:
+            return error
+        return await respond(http, requests, "completion")
 
     return app
+
+
+def _sse(item: dict) -> str:
+    return f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+
+
+def _legacy_logprobs(entries: list[dict]) -> dict:
+    """Chat log-prob entries in ``/v1/completions``' form."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def load_policy(spec, workdir: str | None):
@@ -433,11 +744,12 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model_name", default=None, help="the id /v1/models lists (default: the workdir's name or preset)")
-    ap.add_argument("--max_batch", type=int, default=32, help="rows per decode batch")
+    ap.add_argument("--max_batch", type=int, default=32, help="rows decoding at once (the KV cache's rows)")
     ap.add_argument("--max_seq_len", type=int, default=None, help="prompt + reply tokens (default: rollout.max_seq_len)")
     ap.add_argument("--max_tokens_limit", type=int, default=1024)
     ap.add_argument("--max_body_bytes", type=int, default=1 << 20)
-    ap.add_argument("--batch_window_ms", type=float, default=10.0)
+    ap.add_argument("--chunk", type=int, default=8, help="decode steps between joins and leaves")
+    ap.add_argument("--max_queue", type=int, default=256, help="requests waiting for a row before a 429")
     ap.add_argument("--tokenization", choices=TOKENIZATIONS, default=None,
                     help="'rollout' (default with --workdir: the token sequences the policy was trained on) or "
                          "'template' (default with --config: the chat template's text tokenised whole)")
@@ -467,10 +779,10 @@ def main(argv=None) -> None:
         sys.exit(2)
     tokenization = args.tokenization or ("rollout" if args.workdir else "template")
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=args.max_seq_len or spec.rollout.max_seq_len,
-                          max_batch=args.max_batch, tokenization=tokenization)
+                          max_batch=args.max_batch, tokenization=tokenization, chunk=args.chunk,
+                          max_queue=args.max_queue)
     name = args.model_name or (Path(args.workdir).name if args.workdir else spec.model.preset)
-    app = make_app(generator, name, max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
-                   batch_window_ms=args.batch_window_ms)
+    app = make_app(generator, name, max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host}:{args.port}, reachable from other machines; the server has no "
               "authentication", file=sys.stderr)
