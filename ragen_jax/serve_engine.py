@@ -2,13 +2,15 @@
 
 The engine owns ``slots`` rows of one KV cache. A worker thread loops:
 
-1. **admit** — each waiting request takes a free slot: its prompt is prefilled into that row of the
-   cache alone (``prefill_slot``: the row is sliced out, prefilled and written back), and the row's
-   sampling settings, key and penalty counts are set;
-2. **decode** — one compiled program runs ``chunk`` decode steps for every slot at once
-   (``decode_chunk``: sample from the current logits with the row's temperature / top-p and
+1. **admit** — every waiting request that finds a free slot takes it; their prompts are prefilled
+   into those rows together (``_prefill_rows``: the rows are gathered, prefilled and scattered back),
+   and each row's sampling settings, key and penalty counts are set;
+2. **decode** — one compiled program runs ``chunk`` decode steps for the live rows at once
+   (``_decode_chunk``: sample from the current logits with the row's temperature / top-p and
    presence / frequency penalties, record the token's log-prob and the top log-probs, run the token
-   through the model); free slots compute too, and their tokens are thrown away;
+   through the model), on the first rows up to the highest live slot and the cache slots written so
+   far (powers of two: a handful of programs); a free slot among them computes too, and its tokens
+   are thrown away;
 3. **emit** — on the host each live row's new tokens are appended; a row that wrote a stop token,
    reached its ``max_tokens``, finished a stop string, or whose request was cancelled (the client went
    away) leaves, and its slot is free for the next request at once. Its events (text deltas with
@@ -82,9 +84,10 @@ class Engine:
         self.stop_ids = np.asarray(sorted(set(int(i) for i in stop_ids if i is not None and i >= 0)), np.int32)
         vocab = model_cfg.vocab_size
         s = self.slots
-        self.cache = init_cache(model_cfg, s, self.max_seq_len)
-        self.logits = jnp.zeros((s, vocab), jnp.float32)
-        self.counts = jnp.zeros((s, vocab), jnp.int32)  # each row's generated tokens, for the penalties
+        # One row more than the slots: the scratch row that padding entries of a batched prefill write to.
+        self.cache = init_cache(model_cfg, s + 1, self.max_seq_len)
+        self.logits = jnp.zeros((s + 1, vocab), jnp.float32)
+        self.counts = jnp.zeros((s + 1, vocab), jnp.int32)  # each row's generated tokens, for the penalties
         self.positions = np.zeros((s,), np.int32)
         self.steps = np.zeros((s,), np.int32)  # tokens sampled per row (the key's fold-in)
         self.keys = jax.random.key_data(jax.vmap(jax.random.key)(jnp.arange(s)))
@@ -97,27 +100,35 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self.stats = {"requests": 0, "cancelled": 0, "decode_chunks": 0, "prefills": 0, "tokens": 0, "max_rows": 0}
-        self._prefill = jax.jit(self._prefill_slot, donate_argnums=(1, 2, 3))
-        self._decode = jax.jit(self._decode_chunk, donate_argnums=(1, 2, 3))
+        self._prefill = jax.jit(self._prefill_rows, donate_argnums=(1, 2, 3))
+        self._decode = jax.jit(self._decode_chunk, donate_argnums=(1, 2, 3), static_argnames=("rows", "length"))
         self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
         self._thread.start()
 
     # ---- compiled programs --------------------------------------------------------------------
-    def _prefill_slot(self, params, cache: KVCache, logits, counts, tokens, length, slot):
-        """Prefill ``tokens [1, W]`` (``length`` valid) into cache row ``slot``; that row's logits
-        become its prompt's last, its penalty counts zero."""
+    def _prefill_rows(self, params, cache: KVCache, logits, counts, tokens, lengths, slots):
+        """Prefill ``tokens [J, W]`` (``lengths [J]`` valid) into cache rows ``slots [J]`` at once (the
+        rows are gathered, prefilled and scattered back); their logits become their prompts' last,
+        their penalty counts zero. Padding entries point at the scratch row (index ``self.slots``),
+        which no request uses."""
         model = nnx.merge(self.graphdef, params)
-        row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1), cache)
-        last, row = prefill(model, row, tokens, jnp.zeros((1,), jnp.int32), length[None])
-        cache = jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=1), cache, row)
-        logits = jax.lax.dynamic_update_slice_in_dim(logits, last, slot, axis=0)
-        counts = jax.lax.dynamic_update_slice_in_dim(counts, jnp.zeros((1, counts.shape[1]), counts.dtype), slot, axis=0)
+        rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache)
+        last, rows = prefill(model, rows, tokens, jnp.zeros_like(lengths), lengths)
+        cache = jax.tree.map(lambda x, r: x.at[:, slots].set(r), cache, rows)
+        logits = logits.at[slots].set(last)
+        counts = counts.at[slots].set(0)
         return cache, logits, counts
 
     def _decode_chunk(self, params, cache, logits, counts, positions, steps, keys, temperature, top_p, presence,
-                      frequency):
-        """``chunk`` decode steps of every row -> ``(cache, logits, counts, tokens [S, k], logprobs [S, k],
-        top ids [S, k, 20], top logprobs [S, k, 20])``."""
+                      frequency, *, rows: int, length: int):
+        """``chunk`` decode steps of the first ``rows`` rows, attending to the first ``length`` cache
+        slots (static buckets: the live rows and what they have written, not the whole cache) ->
+        ``(cache, logits, counts, tokens [rows, k], logprobs [rows, k], top ids / log-probs [rows, k, 20])``."""
+        full = (cache, logits, counts)
+        cache = jax.tree.map(lambda x: x[:, :rows, :, :length], cache)
+        logits, counts = logits[:rows], counts[:rows]
+        positions, steps, keys = positions[:rows], steps[:rows], keys[:rows]
+        temperature, top_p, presence, frequency = temperature[:rows], top_p[:rows], presence[:rows], frequency[:rows]
         model = nnx.merge(self.graphdef, params)
         sampling = SamplingConfig(temperature=temperature, top_k=jnp.zeros_like(positions), top_p=top_p)
         typed = jax.random.wrap_key_data(keys)
@@ -131,12 +142,16 @@ class Engine:
             chosen = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
             top_lp, top_id = jax.lax.top_k(logp, TOP_LOGPROBS)
             counts = counts.at[jnp.arange(token.shape[0]), token].add(1)
-            pos = jnp.minimum(positions + j, self.max_seq_len - 1)
+            pos = jnp.minimum(positions + j, length - 1)
             out, cache = model(token[:, None], pos[:, None], cache)
             return (cache, out[:, -1].astype(jnp.float32), counts), (token, chosen, top_id, top_lp)
 
         (cache, logits, counts), (tokens, lps, top_ids, top_lps) = jax.lax.scan(
             step, (cache, logits, counts), jnp.arange(self.chunk))
+        # Back into the whole buffers (donated: XLA updates them in place).
+        cache = jax.tree.map(lambda x, part: jax.lax.dynamic_update_slice(x, part, (0,) * x.ndim), full[0], cache)
+        logits = full[1].at[:rows].set(logits)
+        counts = full[2].at[:rows].set(counts)
         return (cache, logits, counts, tokens.T, lps.T, jnp.swapaxes(top_ids, 0, 1), jnp.swapaxes(top_lps, 0, 1))
 
     # ---- host side ----------------------------------------------------------------------------
@@ -174,24 +189,34 @@ class Engine:
                         self._finish(s, f"error: {type(e).__name__}: {e}")
 
     def _admit(self) -> None:
-        for slot in range(self.slots):
-            if self.jobs[slot] is not None:
-                continue
+        """Every waiting request that finds a free slot joins, all prefilled in one call."""
+        joining: list[tuple[int, Job]] = []
+        free = [s for s in range(self.slots) if self.jobs[s] is None]
+        while free:
             try:
                 job = self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             if job.cancelled:
                 job.emit("end", "cancelled")
                 continue
-            width = 1 << max(0, (len(job.prompt) - 1).bit_length())  # a handful of programs serve every prompt
-            width = min(width, self.max_seq_len)
-            tokens = np.zeros((1, width), np.int32)
-            tokens[0, :len(job.prompt)] = job.prompt
-            self.cache, self.logits, self.counts = self._prefill(
-                self.params, self.cache, self.logits, self.counts, jnp.asarray(tokens),
-                jnp.asarray(len(job.prompt), jnp.int32), jnp.asarray(slot, jnp.int32))
-            self.stats["prefills"] += 1
+            joining.append((free.pop(0), job))
+        if not joining:
+            return
+        # Powers of two (rows, prompt width): a handful of programs serve every batch of joiners.
+        count = 1 << max(0, (len(joining) - 1).bit_length())
+        width = min(self.max_seq_len, 1 << max(0, (max(len(j.prompt) for _, j in joining) - 1).bit_length()))
+        tokens = np.zeros((count, width), np.int32)
+        lengths = np.zeros((count,), np.int32)
+        slots = np.full((count,), self.slots, np.int32)  # padding -> the scratch row
+        for k, (slot, job) in enumerate(joining):
+            tokens[k, :len(job.prompt)] = job.prompt
+            lengths[k], slots[k] = len(job.prompt), slot
+        self.cache, self.logits, self.counts = self._prefill(
+            self.params, self.cache, self.logits, self.counts, jnp.asarray(tokens), jnp.asarray(lengths),
+            jnp.asarray(slots))
+        self.stats["prefills"] += 1
+        for slot, job in joining:
             self.positions[slot] = len(job.prompt)
             self.steps[slot] = 0
             self.keys = self.keys.at[slot].set(
@@ -201,10 +226,20 @@ class Engine:
             job.slot = slot
             self.jobs[slot] = job
 
+    def _buckets(self) -> tuple[int, int]:
+        """``(rows, length)`` the next chunk runs on: powers of two covering the highest live slot
+        and the furthest any live row will have written after the chunk (a handful of programs)."""
+        live = [s for s, j in enumerate(self.jobs) if j is not None]
+        rows = min(self.slots, 1 << max(0, live[-1].bit_length()))
+        written = int(max(self.positions[s] for s in live)) + self.chunk
+        length = min(self.max_seq_len, max(64, 1 << max(0, (written - 1).bit_length())))
+        return rows, length
+
     def _decode_and_emit(self) -> None:
+        rows, length = self._buckets()
         out = self._decode(self.params, self.cache, self.logits, self.counts, jnp.asarray(self.positions),
                            jnp.asarray(self.steps), self.keys, jnp.asarray(self.temperature), jnp.asarray(self.top_p),
-                           jnp.asarray(self.presence), jnp.asarray(self.frequency))
+                           jnp.asarray(self.presence), jnp.asarray(self.frequency), rows=rows, length=length)
         self.cache, self.logits, self.counts = out[:3]
         tokens, lps, top_ids, top_lps = jax.device_get(out[3:])
         self.stats["decode_chunks"] += 1
@@ -212,7 +247,7 @@ class Engine:
         self.positions += self.chunk
         self.steps += self.chunk
         stops = set(self.stop_ids.tolist())
-        for s, job in enumerate(self.jobs):
+        for s, job in enumerate(self.jobs[:rows]):
             if job is None:
                 continue
             if job.cancelled:

@@ -366,9 +366,9 @@ def test_a_client_that_goes_away_frees_its_rows(server, monkeypatch):
     engine = server["generator"].engine
     slow = engine._decode
 
-    def slowed(*args):
+    def slowed(*args, **kwargs):
         time.sleep(0.5)
-        return slow(*args)
+        return slow(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_decode", slowed)
     monkeypatch.setattr(engine, "stop_ids", np.zeros((0,), np.int32))
