@@ -15,7 +15,7 @@ our loader; vLLM loads them exported as an HF folder (``models.lora.export_hf``)
 
 The load: ``C`` client threads (the official ``openai`` client, streaming, ``include_usage``) send
 ``2 × C`` chat completions (at least 8) of the same mix — short user questions, temperature 1,
-``max_tokens`` each, seeds 0, 1, … — and measure requests/s, output tokens/s (the servers' own
+``max_tokens`` each (no seeds: vLLM 0.32's CPU sampler fails on seeded requests) — and measure requests/s, output tokens/s (the servers' own
 ``usage``), time to first token and latency (p50 / p99). The first round of each concurrency is a
 warm-up (compilation), not timed.
 
@@ -82,7 +82,10 @@ def _load(base: str, model: str, concurrency: int, requests: int, max_tokens: in
         first, text, usage = None, [], None
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}], stream=True,
-            stream_options={"include_usage": True}, max_tokens=max_tokens, temperature=temperature, seed=k)
+            stream_options={"include_usage": True}, max_tokens=max_tokens, temperature=temperature,
+            # No per-request seed: vLLM 0.32's CPU sampler fails on seeded requests ("CPU Generator does
+            # not use offset"), and throughput does not depend on it.
+            **({"seed": k} if temperature == 0.0 else {}))
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
@@ -214,7 +217,9 @@ def main(argv=None) -> None:
             model_dir = str(export_hf(model, os.path.join(tmp, "smollm2")))
             load_tokenizer(smollm2_gguf_path()).save_pretrained(model_dir)  # vLLM reads the chat template there
             vport = _free_port()
-            env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+            # Every core for vLLM's threads (it otherwise keeps one core back and runs torch on one thread).
+            env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                   "OMP_NUM_THREADS": str(os.cpu_count())}
             vllm = subprocess.Popen([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                                      "--served-model-name", "smollm2", "--port", str(vport), "--dtype", "float32",
                                      "--max-num-seqs", str(top), "--max-model-len", "512",

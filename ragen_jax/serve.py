@@ -269,6 +269,7 @@ class Generator:
             row.job = Job(prompt=request.prompt, max_tokens=request.max_tokens, temperature=request.temperature,
                           top_p=request.top_p, seed=request.seed, row=row.index,
                           presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                          top_logprobs=request.top_logprobs if request.logprobs else 0,
                           emit=lambda kind, payload, row=row: on_event(row, kind, payload))
             self.engine.submit(row.job)
         return rows

@@ -59,6 +59,7 @@ class Job:
     row: int = 0  # the row's key is fold_in(key(seed), row): the n rows of one request differ
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_logprobs: int = 0  # the top log-probs each token should carry (0: none computed)
     emit: Callable[[str, Any], None] = lambda kind, payload: None
     cancelled: bool = False
     # Filled by the engine.
@@ -101,7 +102,7 @@ class Engine:
         self._stop = False
         self.stats = {"requests": 0, "cancelled": 0, "decode_chunks": 0, "prefills": 0, "tokens": 0, "max_rows": 0}
         self._prefill = jax.jit(self._prefill_rows, donate_argnums=(1, 2, 3))
-        self._decode = jax.jit(self._decode_chunk, donate_argnums=(1, 2, 3), static_argnames=("rows", "length"))
+        self._decode = jax.jit(self._decode_chunk, donate_argnums=(1, 2, 3), static_argnames=("rows", "length", "top"))
         self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
         self._thread.start()
 
@@ -112,15 +113,16 @@ class Engine:
         their penalty counts zero. Padding entries point at the scratch row (index ``self.slots``),
         which no request uses."""
         model = nnx.merge(self.graphdef, params)
-        rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache)
+        width = tokens.shape[1]  # only the slots the prompts write move, not the whole rows
+        rows = jax.tree.map(lambda x: jnp.take(x[:, :, :, :width], slots, axis=1), cache)
         last, rows = prefill(model, rows, tokens, jnp.zeros_like(lengths), lengths)
-        cache = jax.tree.map(lambda x, r: x.at[:, slots].set(r), cache, rows)
+        cache = jax.tree.map(lambda x, r: x.at[:, slots, :, :width].set(r), cache, rows)
         logits = logits.at[slots].set(last)
         counts = counts.at[slots].set(0)
         return cache, logits, counts
 
     def _decode_chunk(self, params, cache, logits, counts, positions, steps, keys, temperature, top_p, presence,
-                      frequency, *, rows: int, length: int):
+                      frequency, *, rows: int, length: int, top: bool):
         """``chunk`` decode steps of the first ``rows`` rows, attending to the first ``length`` cache
         slots (static buckets: the live rows and what they have written, not the whole cache) ->
         ``(cache, logits, counts, tokens [rows, k], logprobs [rows, k], top ids / log-probs [rows, k, 20])``."""
@@ -140,7 +142,11 @@ class Engine:
             token = sample_logits(adjusted, u, sampling)
             logp = jax.nn.log_softmax(logits, axis=-1)
             chosen = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
-            top_lp, top_id = jax.lax.top_k(logp, TOP_LOGPROBS)
+            if top:  # only when a live row asked for top_logprobs (a top-k over the vocabulary per step)
+                top_lp, top_id = jax.lax.top_k(logp, TOP_LOGPROBS)
+            else:
+                top_lp = jnp.zeros((token.shape[0], TOP_LOGPROBS), jnp.float32)
+                top_id = jnp.zeros((token.shape[0], TOP_LOGPROBS), jnp.int32)
             counts = counts.at[jnp.arange(token.shape[0]), token].add(1)
             pos = jnp.minimum(positions + j, length - 1)
             out, cache = model(token[:, None], pos[:, None], cache)
@@ -239,7 +245,8 @@ class Engine:
         rows, length = self._buckets()
         out = self._decode(self.params, self.cache, self.logits, self.counts, jnp.asarray(self.positions),
                            jnp.asarray(self.steps), self.keys, jnp.asarray(self.temperature), jnp.asarray(self.top_p),
-                           jnp.asarray(self.presence), jnp.asarray(self.frequency), rows=rows, length=length)
+                           jnp.asarray(self.presence), jnp.asarray(self.frequency), rows=rows, length=length,
+                           top=any(j is not None and j.top_logprobs > 0 for j in self.jobs[:rows]))
         self.cache, self.logits, self.counts = out[:3]
         tokens, lps, top_ids, top_lps = jax.device_get(out[3:])
         self.stats["decode_chunks"] += 1
