@@ -37,6 +37,7 @@ setup(
         "gguf>=0.17",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        "scipy>=1.11",  # ragen_jax.compare's paired Wilcoxon test
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; pinned to the CPU wheel.

@@ -54,6 +54,7 @@ import jax
 import numpy as np
 from absl import flags
 from matplotlib.figure import Figure
+from scipy import stats
 
 from ragen_jax import launch
 from ragen_jax.config import ConfigError, resolve
@@ -204,8 +205,6 @@ def paired_test(a, b) -> dict[str, float]:
     mean difference ``a - b`` ± its standard error over puzzles, the two-sided Wilcoxon
     signed-rank p-value (puzzles with equal values dropped; 1.0 when every puzzle ties) and the
     sign-flip permutation p-value of the mean difference (``p_mean``, ``sign_flip_p``)."""
-    from scipy import stats
-
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         raise ConfigError(f"paired test of {a.shape[0]} against {b.shape[0]} puzzles: the runs were validated on "
