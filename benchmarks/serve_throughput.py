@@ -82,7 +82,7 @@ def main() -> None:
     local_s = time.perf_counter() - t0
 
     # Server: uvicorn in this process, the openai client in `concurrency` threads.
-    app = make_app(generator, "bench", max_tokens_limit=args.max_tokens, batch_window_ms=20)
+    app = make_app(generator, "bench", max_tokens_limit=args.max_tokens)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

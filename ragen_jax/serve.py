@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import secrets
@@ -147,13 +146,23 @@ class Row:
             if self.request.logprobs:
                 self.logprobs.append(self.generator.logprob_entry(int(t), lp, top_ids[k], top_lps[k],
                                                                   self.request.top_logprobs))
-        text = self.text()
-        cut = [text.index(s) for s in self.request.stop if s in text]
-        if cut:
+        cut = self._stop_cut(self.text())
+        if cut is not None:
             self.finish = "stop"
             self.job.cancelled = True
-            return self._delta(final=True, end=min(cut))
+            return self._delta(final=True, end=cut)
         return self._delta(final=False)
+
+    def _stop_cut(self, text: str) -> int | None:
+        """Where the first of the request's stop strings begins in ``text`` (None: none there)."""
+        cut = [text.index(s) for s in self.request.stop if s in text]
+        return min(cut) if cut else None
+
+    def text_out(self) -> str:
+        """The reply as returned: up to the first stop string."""
+        text = self.text()
+        cut = self._stop_cut(text)
+        return text if cut is None else text[:cut]
 
     def _delta(self, final: bool, end: int | None = None) -> tuple[str, list[dict]]:
         text = self.text()
@@ -218,7 +227,7 @@ class Generator:
 
     def lists_tools(self, tools: list[dict]) -> bool:
         """Whether this model's chat template lists ``tools`` itself (``apply_chat_template(tools=)``)."""
-        return system_with_tools(self.tokenizer, "-", tools) is not None
+        return system_with_tools(self.tokenizer, "-", tools, self.framing) is not None
 
     def prompt_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The chat template's tokens up to the assistant's reply. A last message of role
@@ -290,16 +299,6 @@ class Generator:
         for _ in range(sum(r.n for r in requests)):
             done.acquire()
         return [[(row.text_out(), row.finish, row.completion_tokens) for row in rows] for rows in all_rows]
-
-
-def _row_text_out(self: Row) -> str:
-    """The reply as returned: up to the first stop string."""
-    text = self.text()
-    cut = [text.index(s) for s in self.request.stop if s in text]
-    return text[:min(cut)] if cut else text
-
-
-Row.text_out = _row_text_out
 
 
 def _bounded(body: dict, key: str, default, low, high, *, integer: bool = False):
@@ -508,78 +507,63 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         status_code=status, headers=headers)
 
 
-def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
-             batch_window_ms: float | None = None, body_timeout_s: float = 10.0):
-    """The FastAPI application. A body that has not arrived ``body_timeout_s`` after the request head
-    gets a 408. (``batch_window_ms`` is accepted for compatibility and unused: requests join the
-    running decode between chunks, so there is no window to wait for.)"""
+class OpenAIServer:
+    """What the endpoints do, one named stage each: ``read`` a body into requests, ``launch`` their
+    rows on the engine, wait for them (``until_done``) or ``stream`` them, and shape the reply
+    (``chat_choice`` / ``completion_choice``, ``usage``). A body that has not arrived
+    ``body_timeout_s`` after the request head gets a 408."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
+    def __init__(self, generator: Generator, model_name: str, *, max_tokens_limit: int, max_body_bytes: int,
+                 body_timeout_s: float):
+        self.generator, self.model_name = generator, model_name
+        self.max_tokens_limit, self.max_body_bytes, self.body_timeout_s = max_tokens_limit, max_body_bytes, body_timeout_s
+        self.served = {"id": model_name, "object": "model", "created": 0, "owned_by": "ragen_jax"}
 
-    app = FastAPI(title="ragen_jax policy server", lifespan=lifespan)
-    app.state.generator = generator
-    served = {"id": model_name, "object": "model", "created": 0, "owned_by": "ragen_jax"}
+    def unknown_model(self, name: str) -> BadRequest:
+        return BadRequest(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                          param="model", status=404, code="model_not_found")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [served]}
+    def stats(self) -> dict:
+        engine = self.generator.engine
+        return {**engine.stats, "requests_done": engine.stats["requests"], "decode_batches": self.generator.batches_run,
+                "busy_rows": engine.busy_slots, "waiting": engine.waiting.qsize()}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != model_name:
-            return _error(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
-                          param="model", code="model_not_found")
-        return served
-
-    @app.get("/stats")
-    async def stats():
-        return {**generator.engine.stats, "requests_done": generator.engine.stats["requests"],
-                "decode_batches": generator.batches_run, "busy_rows": generator.engine.busy_slots,
-                "waiting": generator.engine.waiting.qsize()}
-
-    async def read(http: Request, parse):
-        """The body parsed by ``parse`` -> request(s), or the error response."""
+    async def read(self, http: Request, parse):
+        """The body parsed by ``parse`` -> ``(request(s), None)``, or ``(None, the error response)``."""
         try:
-            raw = await asyncio.wait_for(read_body(http, max_body_bytes), body_timeout_s)
+            raw = await asyncio.wait_for(read_body(http, self.max_body_bytes), self.body_timeout_s)
             body = await asyncio.to_thread(_parse_body, raw)
             name = body.get("model") if isinstance(body, dict) else None
-            if name is not None and name != model_name:
-                raise BadRequest(f"the model {name!r} does not exist; this server serves {model_name!r}",
-                                 param="model", status=404, code="model_not_found")
-            return await asyncio.to_thread(parse, body, generator, max_tokens_limit), None
+            if name is not None and name != self.model_name:
+                raise self.unknown_model(name)
+            return await asyncio.to_thread(parse, body, self.generator, self.max_tokens_limit), None
         except asyncio.TimeoutError:
-            return None, _error(408, f"the body did not arrive within {body_timeout_s:g} s",
+            return None, _error(408, f"the body did not arrive within {self.body_timeout_s:g} s",
                                 headers={"Connection": "close"})
         except BodyTooLarge as e:
             return None, _error(e.status, str(e))
         except BadRequest as e:
             return None, _error(e.status, str(e), param=e.param, code=e.code)
 
-    def launch(requests: list[ChatRequest]):
-        """Start every row of ``requests`` -> ``(rows per request, queue of (row, kind, payload))``."""
+    def launch(self, requests: list[ChatRequest]):
+        """Start every row of ``requests`` -> ``(rows, queue of (row, kind, payload))``; raises
+        ``QueueFull`` with none of them left running."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(row, kind, payload):
             loop.call_soon_threadsafe(events.put_nowait, (row, kind, payload))
 
-        started = []
+        rows: list[Row] = []
         try:
             for r in requests:
-                started.append(generator.start(r, on_event))
+                rows += self.generator.start(r, on_event)
         except QueueFull:
-            cancel([row for rows in started for row in rows])
+            _cancel(rows)
             raise
-        return started, events
+        return rows, events
 
-    def cancel(rows) -> None:
-        for row in rows:
-            if row.job is not None:
-                row.job.cancelled = True
-
-    async def until_done(http: Request, rows, events, on_delta=None) -> bool:
+    async def until_done(self, http: Request, rows: list[Row], events, on_delta=None) -> bool:
         """Feed the rows their events until all ended; False when the client went away first (its
         rows are then cancelled: their slots free at the engine's next chunk)."""
         pending, checked = len(rows), time.monotonic()
@@ -587,7 +571,7 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
             if time.monotonic() - checked >= DISCONNECT_POLL_S:  # between events too: they may never pause
                 checked = time.monotonic()
                 if await http.is_disconnected():
-                    cancel(rows)
+                    _cancel(rows)
                     return False
             try:
                 row, kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
@@ -603,104 +587,131 @@ def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1
                 pending -= 1
         return True
 
-    def usage(requests: list[ChatRequest], rows) -> dict:
+    @staticmethod
+    def usage(requests: list[ChatRequest], rows: list[Row]) -> dict:
         prompt = sum(len(r.prompt) for r in requests)
         completion = sum(row.completion_tokens for row in rows)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    @staticmethod
     def chat_choice(row: Row) -> dict:
         message, called = reply_message(row.text_out(), row.request.tools)
-        finish = "tool_calls" if called else row.finish
         logprobs = {"content": row.logprobs[:row.sent_tokens]} if row.request.logprobs else None
-        return {"index": row.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": row.index, "message": message, "finish_reason": "tool_calls" if called else row.finish,
+                "logprobs": logprobs}
 
+    @staticmethod
     def completion_choice(row: Row, index: int) -> dict:
         return {"index": index, "text": row.text_out(), "finish_reason": row.finish,
                 "logprobs": _legacy_logprobs(row.logprobs[:row.sent_tokens]) if row.request.logprobs else None}
 
-    async def respond(http: Request, requests: list[ChatRequest], kind: str):
+    async def respond(self, http: Request, requests: list[ChatRequest], kind: str):
+        """The whole reply of a ``kind`` ("chat" / "completion") request, or its event stream."""
         try:
-            started, events = launch(requests)
+            rows, events = self.launch(requests)
         except QueueFull as e:
             return _error(429, f"the server is busy: {e}; retry shortly", kind="rate_limit_error",
                           headers={"Retry-After": "1"})
-        rows = [row for rs in started for row in rs]
-        ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
+        head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
+                "created": int(time.time()), "model": self.model_name}
         if requests[0].stream:
-            return StreamingResponse(_stream(http, requests, rows, events, ident, created, kind),
+            return StreamingResponse(self.stream(http, requests, rows, events, head, kind),
                                      media_type="text/event-stream")
-        if not await until_done(http, rows, events):
+        if not await self.until_done(http, rows, events):
             return _error(499, "the client closed the request")
         if any(row.finish == "error" for row in rows):
             return _error(500, "the decode failed; see the server's log", kind="server_error")
         if kind == "chat":
-            choices = [chat_choice(row) for row in rows]
+            choices = [self.chat_choice(row) for row in rows]
         else:
-            choices = [completion_choice(row, i) for i, row in enumerate(rows)]
-        return {"id": ident, "object": obj, "created": created, "model": model_name, "choices": choices,
-                "usage": usage(requests, rows)}
+            choices = [self.completion_choice(row, i) for i, row in enumerate(rows)]
+        return {**head, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
+                "usage": self.usage(requests, rows)}
 
-    async def _stream(http, requests, rows, events, ident, created, kind):
+    @staticmethod
+    def stream_choice(row: Row, delta: str, entries: list[dict], kind: str) -> dict:
+        """One streamed choice: a text delta with its log-probs, or (a chat reply that called tools,
+        at its end) the calls parsed from the whole reply."""
+        if kind != "chat":
+            return {"index": row.index, "text": delta, "finish_reason": row.finish,
+                    "logprobs": _legacy_logprobs(entries) if row.request.logprobs else None}
+        if row.request.tools and row.finish is not None:
+            message, called = reply_message(row.text_out(), row.request.tools)
+            if called:
+                return {"index": row.index, "logprobs": None, "finish_reason": "tool_calls",
+                        "delta": {"tool_calls": [dict(c, index=k) for k, c in enumerate(message["tool_calls"])]}}
+        return {"index": row.index, "delta": {"content": delta} if delta else {},
+                "logprobs": {"content": entries} if row.request.logprobs else None, "finish_reason": row.finish}
+
+    async def stream(self, http: Request, requests: list[ChatRequest], rows: list[Row], events, head: dict, kind: str):
         """Server-sent events: one chunk per text delta, the finish reason, usage if asked, ``[DONE]``."""
         out: asyncio.Queue = asyncio.Queue()
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices, **extra):
-            return {"id": ident, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
+            return {**head, "object": obj, "choices": choices, **extra}
 
         async def on_delta(row, delta, entries):
-            if kind == "chat":
-                if row.request.tools and row.finish is not None:
-                    message, called = reply_message(row.text_out(), row.request.tools)
-                    if called:  # the calls, parsed from the whole reply, in the last chunk
-                        body = {"tool_calls": [dict(c, index=k) for k, c in enumerate(message["tool_calls"])]}
-                        await out.put(chunk([{"index": row.index, "delta": body, "logprobs": None,
-                                              "finish_reason": "tool_calls"}]))
-                        return
-                choice = {"index": row.index, "delta": {"content": delta} if delta else {},
-                          "logprobs": {"content": entries} if row.request.logprobs else None,
-                          "finish_reason": row.finish}
-            else:
-                choice = {"index": row.index, "text": delta, "finish_reason": row.finish,
-                          "logprobs": _legacy_logprobs(entries) if row.request.logprobs else None}
-            await out.put(chunk([choice]))
+            await out.put(chunk([self.stream_choice(row, delta, entries, kind)]))
 
         if kind == "chat":  # the role first, as OpenAI's stream opens
             for row in rows:
                 yield _sse(chunk([{"index": row.index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}]))
-        task = asyncio.create_task(until_done(http, rows, events, on_delta))
+        task = asyncio.create_task(self.until_done(http, rows, events, on_delta))
         try:
-            while True:
-                if task.done() and out.empty():
-                    break
+            while not (task.done() and out.empty()):
                 try:
                     item = await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     continue
                 yield _sse(item)
             if requests[0].include_usage:
-                yield _sse(chunk([], usage=usage(requests, rows)))
+                yield _sse(chunk([], usage=self.usage(requests, rows)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away mid-stream (or the stream ended): free every row still decoding
-            cancel(rows)
+            _cancel(rows)
             task.cancel()
+
+
+def _cancel(rows: list[Row]) -> None:
+    for row in rows:
+        if row.job is not None:
+            row.job.cancelled = True
+
+
+def make_app(generator: Generator, model_name: str, *, max_tokens_limit: int = 1024, max_body_bytes: int = 1 << 20,
+             body_timeout_s: float = 10.0):
+    """The FastAPI application: ``OpenAIServer``'s stages behind the OpenAI routes."""
+    server = OpenAIServer(generator, model_name, max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes,
+                          body_timeout_s=body_timeout_s)
+    app = FastAPI(title="ragen_jax policy server")
+    app.state.generator = generator
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.served]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            e = server.unknown_model(model_id)
+            return _error(e.status, str(e), param=e.param, code=e.code)
+        return server.served
+
+    @app.get("/stats")
+    async def stats():
+        return server.stats()
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        request, error = await read(http, parse_request)
-        if error is not None:
-            return error
-        return await respond(http, [request], "chat")
+        request, error = await server.read(http, parse_request)
+        return error if error is not None else await server.respond(http, [request], "chat")
 
     @app.post("/v1/completions")
     async def completions(http: Request):
-        requests, error = await read(http, parse_completion)
-        if error is not None:
-            return error
-        return await respond(http, requests, "completion")
+        requests, error = await server.read(http, parse_completion)
+        return error if error is not None else await server.respond(http, requests, "completion")
 
     return app
 

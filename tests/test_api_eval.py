@@ -72,7 +72,7 @@ def test_served_checkpoint_through_the_api_plays_the_in_process_episodes(trained
     graphdef, params, model_cfg, tokenizer = load_policy(resolve(config), str(workdir))
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16,
                           tokenization="rollout")
-    with serving(make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, batch_window_ms=20)) as base:
+    with serving(make_app(generator, "tiny-frozen-lake", max_tokens_limit=64)) as base:
         remote = run_eval(resolve(_eval_config(config, tmp_path, provider="openai", base_url=base + "/v1",
                                                name="tiny-frozen-lake", continue_final_message=True)))
     ours = _records(workdir / "eval" / "transcripts_step1.jsonl")

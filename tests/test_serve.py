@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     train(spec)
     graphdef, params, model_cfg, tokenizer = load_policy(spec, str(workdir))
     generator = Generator(graphdef, params, model_cfg, tokenizer, max_seq_len=512, max_batch=16)
-    app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096, batch_window_ms=50,
+    app = make_app(generator, "tiny-frozen-lake", max_tokens_limit=64, max_body_bytes=4096,
                    body_timeout_s=1.0)
     with serving(app) as base:
         yield {"url": base, "generator": generator, "app": app, "reference": (graphdef, params, tokenizer)}
