@@ -45,6 +45,12 @@ from ragen_jax.models.sampler import SamplingConfig, prefill, sample_logits
 TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for (OpenAI's limit)
 
 
+def _pow2_at_least(n: int, cap: int) -> int:
+    """The smallest power of two >= ``n`` (at most ``cap``): the buckets that keep the compiled
+    programs to a handful."""
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
 @dataclasses.dataclass
 class Job:
     """One row of generation. ``emit(kind, payload)`` receives ``("tokens", (ids, logprobs, tops))``
@@ -210,8 +216,8 @@ class Engine:
         if not joining:
             return
         # Powers of two (rows, prompt width): a handful of programs serve every batch of joiners.
-        count = 1 << max(0, (len(joining) - 1).bit_length())
-        width = min(self.max_seq_len, 1 << max(0, (max(len(j.prompt) for _, j in joining) - 1).bit_length()))
+        count = _pow2_at_least(len(joining), self.slots)
+        width = _pow2_at_least(max(len(j.prompt) for _, j in joining), self.max_seq_len)
         tokens = np.zeros((count, width), np.int32)
         lengths = np.zeros((count,), np.int32)
         slots = np.full((count,), self.slots, np.int32)  # padding -> the scratch row
@@ -236,9 +242,9 @@ class Engine:
         """``(rows, length)`` the next chunk runs on: powers of two covering the highest live slot
         and the furthest any live row will have written after the chunk (a handful of programs)."""
         live = [s for s, j in enumerate(self.jobs) if j is not None]
-        rows = min(self.slots, 1 << max(0, live[-1].bit_length()))
+        rows = _pow2_at_least(live[-1] + 1, self.slots)
         written = int(max(self.positions[s] for s in live)) + self.chunk
-        length = min(self.max_seq_len, max(64, 1 << max(0, (written - 1).bit_length())))
+        length = _pow2_at_least(max(written, 64), self.max_seq_len)
         return rows, length
 
     def _decode_and_emit(self) -> None:

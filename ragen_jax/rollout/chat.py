@@ -126,14 +126,14 @@ def chat_framing(tokenizer) -> ChatFraming:
     )
 
 
-def system_with_tools(tokenizer, system: str, tools: list[dict]) -> str | None:
+def system_with_tools(tokenizer, system: str, tools: list[dict], framing: ChatFraming | None = None) -> str | None:
     """The system message's content as the tokenizer's own chat template writes it when given
     ``tools=`` (OpenAI function schemas): Qwen2.5's and Hermes-style templates append the tool list
     and the ``<tool_call>`` convention to the system message. None when the template leaves the tools
     out (it ignores ``tools``) or puts them outside the system message, where the append-only
     framing (``chat_framing``) cannot carry them.
     """
-    framing = chat_framing(tokenizer)
+    framing = framing or chat_framing(tokenizer)  # a caller that has the tokenizer's framing passes it
     user = _MARK.format("user")
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     try:

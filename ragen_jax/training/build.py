@@ -88,16 +88,10 @@ def build_env(spec: RunSpec, tokenizer=None):
                       max_obs_tokens=int(spec.env_param_kwargs.get("max_obs_tokens", 512)),
                       step_timeout_s=float(spec.env_param_kwargs.get("step_timeout_s", 600.0)))
         env.name = spec.env_name
+        # A tool environment's function schemas, for a hosted model's ``tools`` parameter.
+        tools = getattr(probe, "tools", None)
+        env.tool_schemas = [t.schema for t in tools.values()] if isinstance(tools, dict) and tools else None
         return env, env.default_params()
     env = environments.make(spec.env_name, **spec.env_kwargs)
     params = env.default_params(**spec.env_param_kwargs)
     return env, params
-
-
-def env_tool_schemas(spec) -> list[dict] | None:
-    """The OpenAI function schemas of a tool environment's tools (``tools.env.ToolEnv``), for a hosted
-    model's ``tools`` parameter; None for any other environment."""
-    if not environments.is_host(spec.env_name):
-        return None
-    tools = getattr(environments.env_class(spec.env_name)(**spec.env_kwargs), "tools", None)
-    return [t.schema for t in tools.values()] if isinstance(tools, dict) and tools else None

@@ -33,7 +33,7 @@ from ragen_jax.rollout.chat import split_conversation
 from ragen_jax.rollout.loop import make_rollout, validation_keys
 from ragen_jax.rollout.remote import ChatClient
 from ragen_jax.starpo.train_state import policy_params
-from ragen_jax.training.build import build_env, build_tokenizer, env_tool_schemas
+from ragen_jax.training.build import build_env, build_tokenizer
 from ragen_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint, restore_train_state
 from ragen_jax.training.metrics import describes_state_rates
 from ragen_jax.training.run import setup
@@ -229,7 +229,8 @@ def _run_remote_eval(spec) -> dict[str, float]:
     print(f"evaluating {m.name!r} at {m.api_base_url} ({m.provider} API; transcripts counted in preset "
           f"{spec.preset!r}'s tokens)", flush=True)
     try:
-        client = ChatClient(m, progress=spec.trainer.progress_bar, tools=env_tool_schemas(spec))
+        # A tool environment's schemas go to the API as its ``tools`` (``build_env`` sets them).
+        client = ChatClient(m, progress=spec.trainer.progress_bar, tools=getattr(env, "tool_schemas", None))
     except ValueError as e:  # the key's variable is unset: the config's (or the shell's) to fix
         raise ConfigError(str(e)) from None
     try:

@@ -457,7 +457,6 @@ def _steps(spec: RunSpec, start_step: int, show: bool = True):
     steps = range(start_step + 1, t.total_steps + 1)
     if not (t.progress_bar and show):
         return steps, None
-
     bar = tqdm(steps, desc=f"StarPO {spec.env_name}", initial=start_step, total=t.total_steps)
     return bar, bar
 
