@@ -92,8 +92,6 @@ def build(shape: str, max_new_tokens: int | None):
     placement = make_placement(spec)
     hf = {**plan._QWEN2, **(plan.ARCHITECTURES[arch] if isinstance(arch, str) else arch)}
     cfg = ModelConfig.from_hf_config(hf, dtype="bfloat16", param_dtype="bfloat16", scan_layers=True)
-    from flax import nnx
-
     model = placement.create(lambda rngs: Decoder(cfg, rngs=rngs), seed=0)
     env, env_params = build_env(spec)
     tokenizer = load_tiny_tokenizer()

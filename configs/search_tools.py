@@ -19,7 +19,7 @@ def get_config():
     c.env = base.ConfigDict(dict(name="tool_search", max_obs_tokens=1024, top_k=2, max_result_chars=600,
                                  max_turns=3, max_tool_calls=2))
     c.rollout.update(dict(num_groups=4, group_size=4, max_turns=3, max_actions_per_turn=1, max_actions_per_traj=3,
-                          max_new_tokens=96, context_mode="limited", context_window=2, max_seq_len=4096,
+                          max_new_tokens=128, context_mode="limited", context_window=2, max_seq_len=4096,
                           max_words=80))
     c.starpo.adv_estimator = "grpo"
     c.starpo.mini_batch_size = 8

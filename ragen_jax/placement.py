@@ -41,11 +41,12 @@ class Placement:
         self.replicated = NamedSharding(mesh, P())
 
     @classmethod
-    def from_shape(cls, data: int = -1, fsdp: int = 1, tensor: int = 1) -> "Placement":
-        """The mesh of ``config.mesh`` over ``jax.devices()`` (every process's devices)."""
-        n = jax.device_count()
+    def from_shape(cls, data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> "Placement":
+        """The mesh of ``config.mesh`` over ``devices`` (default ``jax.devices()``: every process's)."""
+        devices = list(jax.devices() if devices is None else devices)
+        n = len(devices)
         try:
-            mesh = sharding_lib.make_mesh(data, fsdp, tensor)
+            mesh = sharding_lib.make_mesh(data, fsdp, tensor, devices=devices)
         except ValueError as e:
             where = (f"{n} devices over {jax.process_count()} processes" if jax.process_count() > 1
                      else f"{n} device{'s' if n != 1 else ''} ({jax.devices()[0].platform})")

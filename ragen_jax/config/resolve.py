@@ -68,7 +68,17 @@ class RunSpec:
 def _has_expert(env_name: str) -> bool:
     """Whether the environment (or tag) ``env_name`` has an expert for behaviour cloning."""
     cls = environments.env_class(env_name)
-    return issubclass(cls, AgentFacing) and cls.has_expert()
+    if issubclass(cls, AgentFacing):
+        return cls.has_expert()
+    return callable(getattr(cls, "expert", None))  # a Python (host) environment: its expert() (rollout.host_env)
+
+
+def _expert_known(env_name: str) -> bool:
+    """``_has_expert``, False for an environment whose module does not import here (an optional dependency)."""
+    try:
+        return _has_expert(env_name)
+    except ImportError:
+        return False
 
 
 def _fail(msg: str):
@@ -277,6 +287,7 @@ def resolve(config: ConfigDict, *, model_files: bool = True) -> RunSpec:
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
     _check_across_sections(env_name, rollout, starpo, warmup, filt)
+    _check_asynchronous(trainer, filt)
     return RunSpec(config=config, mode=config.mode, workdir=config.workdir, seed=int(config.seed),
                    env_name=env_name, env_kwargs=env_kwargs, env_param_kwargs=env_param_kwargs, model=model,
                    rollout=rollout, starpo=starpo, filter=filt, collapse=collapse, trainer=trainer,
@@ -299,6 +310,20 @@ def _warn_off_policy_ratio(rollout, starpo) -> None:
         warnings.warn("the StarPO ratio is off-policy: " + "; ".join(notes) + ". Leave "
                       "starpo.logprob_temperature unset and sample training rollouts with top_p=1, top_k=0 "
                       "for an exact ratio", stacklevel=3)
+
+
+def _check_asynchronous(trainer, filt) -> None:
+    """What the asynchronous loop (``trainer.max_staleness`` > 0) does not combine with: the refills and
+    the replayed starts choose a step's rollouts from the step's own results, which the pipeline
+    sampled steps earlier."""
+    if not trainer.max_staleness:
+        return
+    for key, value in (("filter.dynamic_sampling_rounds", filt.dynamic_sampling_rounds),
+                       ("filter.start_replay_fraction", filt.start_replay_fraction)):
+        if value:
+            _fail(f"trainer.max_staleness={trainer.max_staleness} (asynchronous rollout) cannot run with "
+                  f"{key}={value}: it picks a step's rollouts from that step's results, which the pipeline "
+                  f"sampled ahead; set {key}=0 or trainer.max_staleness=0")
 
 
 def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None:
@@ -330,7 +355,7 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None
               f"= {rollout.batch_size} trajectories)")
     if (warmup.steps or warmup.single_turn_steps) and not _has_expert(env_name):
         key = "warmup.steps" if warmup.steps else "warmup.single_turn_steps"
-        with_experts = sorted(n for n in environments.REGISTRY if _has_expert(n))
+        with_experts = sorted(n for n in (*environments.REGISTRY, *environments.HOST_REGISTRY) if _expert_known(n))
         _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={env_name!r} has no expert "
               f"solver; behaviour cloning supports {', '.join(with_experts)} (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")

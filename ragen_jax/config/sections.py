@@ -218,9 +218,14 @@ class TrainerConfig(Section):
     gradient_analysis_every: int = 0
     gradient_analysis_buckets: str = "quantile"  # quantile | fixed_rv
     gradient_analysis_num_buckets: int = 6
+    # Asynchronous rollout (``training.pipeline``): the rollouts of the next ``max_staleness`` steps are
+    # sampled while the update runs, so a batch is trained on up to that many policy versions after the
+    # one that sampled it (0 = the synchronous loop). With ``mesh.rollout_devices`` the two overlap.
+    max_staleness: int = 0
 
     def __post_init__(self):
         s = "trainer"
+        check_int(s, "max_staleness", self.max_staleness, 0)
         check_int(s, "gradient_analysis_every", self.gradient_analysis_every, 0)
         check_int(s, "gradient_analysis_num_buckets", self.gradient_analysis_num_buckets, 1)
         gradient_analysis.BUCKETINGS.validate(self.gradient_analysis_buckets)
@@ -329,8 +334,16 @@ class MeshConfig(Section):
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Devices that run only the rollout (the last ones; a data-parallel mesh of their own), the rest
+    # the update (data × fsdp × tensor over them); 0 = both on every device (colocated). With
+    # ``trainer.max_staleness`` > 0 rollout and update then run at the same time.
+    rollout_devices: int = 0
 
     def __post_init__(self):
+        if not (isinstance(self.rollout_devices, int) and not isinstance(self.rollout_devices, bool)
+                and self.rollout_devices >= 0):
+            raise ValueError(f"mesh.rollout_devices={self.rollout_devices!r} must be an int >= 0 (0 = the rollout "
+                             "runs on every device, with the update)")
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):

@@ -64,7 +64,7 @@ class StarPOConfig(Section):
     GiGPO: ``gigpo_step_weight`` (w), ``gigpo_gamma`` (the turn returns' discount), ``gigpo_norm``
       (mean | std) — see ``advantages.gigpo``; ``gigpo_enable_similarity`` / ``gigpo_similarity_thresh``:
       verl-agent's grouping of similar observations (``advantages.cluster_similar_observations``). Policy-loss settings: ``clip_cov_*``, ``kl_cov_ratio``,
-      ``ppo_kl_coef``, ``rollout_is*`` / ``rollout_rs*`` (see ``losses``); a sequence-level loss
+      ``ppo_kl_coef``, ``rollout_is*`` / ``rollout_rs*``, ``decoupled_weight_cap`` (see ``losses``); a sequence-level loss
       (gspo, geo_mean) aggregates ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says.
     DAPO: ``overlong_buffer_len`` > 0 shapes each turn's reward by its reply length (soft overlong
       punishment against ``overlong_max_len``, default ``rollout.max_new_tokens``);
@@ -157,6 +157,9 @@ class StarPOConfig(Section):
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.5
     rollout_token_veto_threshold: float = 0.0
+    # policy_loss='decoupled_ppo' (AReaL's): tokens whose weight pi_prox / pi_behav exceeds the cap
+    # contribute nothing (0 = no cap).
+    decoupled_weight_cap: float = 0.0
     # DAPO's overlong reward shaping (0 = off): replies longer than overlong_max_len - overlong_buffer_len
     # tokens lose up to overlong_penalty_factor, linearly over the buffer; overlong_max_len None =
     # rollout.max_new_tokens. overlong_filter: episodes cut by max_seq_len or max_new_tokens do not train.
@@ -258,7 +261,7 @@ class StarPOConfig(Section):
         for name in ("clip_cov_ratio", "kl_cov_ratio", "rollout_is_threshold", "rollout_rs_threshold"):
             check_number(s, name, getattr(self, name), 0.0, strict=True)
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "rollout_rs_threshold_lower",
-                     "rollout_token_veto_threshold", "overlong_penalty_factor"):
+                     "rollout_token_veto_threshold", "overlong_penalty_factor", "decoupled_weight_cap"):
             check_number(s, name, getattr(self, name))
         for name, levels in (("rollout_is", losses.ROLLOUT_IS_LEVELS), ("rollout_rs", losses.ROLLOUT_RS_LEVELS)):
             check(getattr(self, name) in levels, f"{s}.{name}={getattr(self, name)!r}; allowed: {', '.join(levels)}.")
@@ -286,7 +289,8 @@ class StarPOConfig(Section):
         """Every policy loss's settings; each registered loss reads the ones it uses."""
         names = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
                  "kl_cov_ratio", "ppo_kl_coef", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                 "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold")
+                 "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                 "decoupled_weight_cap")
         return {name: getattr(self, name) for name in names}
 
     @property

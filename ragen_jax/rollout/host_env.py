@@ -32,6 +32,11 @@ rows of a batch are then stepped N at a time in threads (each row has its own en
 An env may count events (``take_counters() -> dict``, zeroing its counts): ``HostEnv.take_counters``
 sums the rows' and the trainer logs them as ``env/<name>`` each step.
 
+An env may define ``expert() -> environments.core.Plan``: what an expert answers in the env's current
+state (``answers`` and the ``reasoning`` leading to them), for the behaviour-cloning warm-up
+(``HostEnv.expert_episode`` plays it on a spare instance); ``random_answer(rng) -> str`` adds
+``warmup.action_noise``.
+
 ``info`` may carry ``success`` (default: ``done`` with positive reward), ``action_is_valid`` and
 ``action_is_effective`` (default True). One Python env instance serves each batch row; rows of the
 same group receive the same seed. Observations longer than ``max_obs_tokens`` are an error (raise
@@ -105,6 +110,49 @@ class HostEnv(AgentFacing):
         self.envs = [make_env() for _ in range(batch_size)]  # more are made for larger batches (evaluation)
         self.piece_table = "tokens"  # observations arrive as token ids: the codec's identity table
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    # ---- the warm-up's expert (host side) --------------------------------------------------
+    @staticmethod
+    def seeds_of(keys) -> np.ndarray:
+        """The ``reset`` seed of each row of ``keys [B]``: what ``reset_batch`` hands the Python envs."""
+        return np.asarray(jax.random.key_data(keys))[:, -1].astype(np.uint32)
+
+    def expert_episode(self, seed: int, max_turns: int, max_answers_per_turn: int, max_answers: int,
+                       rng: np.random.Generator | None = None, action_noise: float = 0.0):
+        """The expert's replies over one episode from ``seed``: ``([(reasoning, answers)] per turn,
+        success)``. Played on a spare instance of the Python env, which the expert re-plans from after
+        every step (closed loop, as the on-device envs' experts), stepping each answer as the rollout
+        does: at most ``max_answers_per_turn`` a turn and ``max_answers`` in all, until ``done``."""
+        if getattr(self, "_expert_env", None) is None:
+            self._expert_env = self.make_env()
+        env = self._expert_env
+        if not callable(getattr(env, "expert", None)):
+            raise ValueError(f"HostEnv {type(env).__name__} has no expert() for behaviour cloning: define one "
+                             "(returning environments.core.Plan), or set warmup.steps=0 and warmup.single_turn_steps=0")
+        env.reset(int(seed))
+        turns, n_answers, success = [], 0, False
+        for _ in range(max_turns):
+            if n_answers >= max_answers:
+                break
+            plan = env.expert()
+            answers = list(plan.answers[:max_answers_per_turn])
+            if not answers or (action_noise and rng is not None and rng.random() < action_noise):
+                random_answer = getattr(env, "random_answer", None)
+                if not callable(random_answer):
+                    raise ValueError(f"warmup.action_noise={action_noise} needs HostEnv {type(env).__name__}."
+                                     "random_answer(rng); define it or set warmup.action_noise=0")
+                answers = [random_answer(rng)]
+            turns.append((plan.reasoning(answers), answers))
+            done = False
+            for answer in answers[: max_answers - n_answers]:
+                _, _, done, info = env.step(answer)
+                n_answers += 1
+                if done:
+                    success = bool((info or {}).get("success", False))
+                    break
+            if done:
+                break
+        return turns, success
 
     def check_format(self, fmt):
         fmt = self.observation_format if fmt is None else fmt

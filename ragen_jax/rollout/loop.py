@@ -45,6 +45,7 @@ With ``remote=`` (a ``remote.ChatClient``) the replies come from a model behind 
 from __future__ import annotations
 
 import dataclasses
+import string
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,19 @@ def action_vocab(env, reply_bytes: int):
         return parser_lib.TextActions(env.parse_action, int(env.max_action_bytes or reply_bytes))
     return parser_lib.ActionVocab.from_names(tuple(env.action_names))
 
+
+
+def answer_stop_sequences(tokenizer) -> set[tuple[int, ...]]:
+    """The token sequences that close an answer: ``</answer>`` as tokenised alone, and after every
+    printable character BPE merges into its first token (a space: `` </``; SmolLM2's ``>``: ``></``,
+    so a tool call's ``</tool_call></answer>`` stops too). Another split runs on to end-of-turn."""
+    alone = tuple(codec_lib.encode(tokenizer, "</answer>"))
+    seqs = {alone}
+    for c in " " + string.printable.strip():
+        ids = tuple(codec_lib.encode(tokenizer, c + "</answer>"))
+        if ids[-len(alone):] != alone:  # c merged into the tag's first token: the sequence starts with it
+            seqs.add(ids)
+    return seqs
 
 class Rollout:
     """The compiled rollout of one (model architecture, env, tokenizer, config).
@@ -192,9 +206,7 @@ class Rollout:
 
         self.stop_ids = jnp.asarray([self.codec.eot_id], jnp.int32)
         if config.stop_at_answer:
-            # The closing tag as tokenised alone and after a space (BPE merges the space in); a
-            # reply that closes the tag with another split simply runs on to end-of-turn.
-            seqs = {tuple(codec_lib.encode(tokenizer, s)) for s in ("</answer>", " </answer>")}
+            seqs = answer_stop_sequences(tokenizer)
             width = max(len(q) for q in seqs)
             self.stop_sequences = jnp.asarray([list(q) + [-1] * (width - len(q)) for q in sorted(seqs)], jnp.int32)
         else:

@@ -74,8 +74,9 @@ def loss_terms(graphdefs, cfg, shared_prefix_len: int, params, rest, data: dict,
     policy = nnx.merge(graphdefs.policy, params, rest)
     logp, entropy, _ = sequence_logprobs(policy, data["tokens"], chunk_size=cfg.logprob_chunk_size,
                                          temperature=cfg.scoring_temperature, shared_prefix_len=shared_prefix_len)
+    behaviour = {"behaviour_logp": data["behaviour_logp"]} if "behaviour_logp" in data else {}
     per_token, _ = losses.policy_loss(cfg.policy_loss, logp, data["old_logp"], data["advantages"], mask,
-                                      **cfg.policy_loss_hparams)
+                                      **cfg.policy_loss_hparams, **behaviour)
     out = {"task": losses.aggregate_mean(per_token, mask, agg),
            "entropy": -cfg.entropy_coeff * losses.aggregate_mean(entropy, mask, agg)}
     if cfg.use_kl_loss:

@@ -157,7 +157,9 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 #   ``aggregation``: a sequence-level loss's own aggregation mode (``loss_aggregation``);
 #   ``uses_noise``: it reads ``noise``, uniform [B, L] drawn from the update's key (``needs_noise``);
 #   ``batch_statistics(hparams) -> bool``: under these settings it reads statistics of the whole
-#     mini-batch under the current policy (``needs_batch_statistics``).
+#     mini-batch under the current policy (``needs_batch_statistics``);
+#   ``uses_behaviour_logp``: it reads ``behaviour_logp``, the log-probs recorded when the tokens were
+#     sampled (``uses_behaviour_logp``).
 
 
 @POLICY_LOSSES.register("ppo", "vanilla")
@@ -466,6 +468,53 @@ def rollout_correction_loss(logp, old_logp, advantages, loss_mask, *, rollout_is
 
 
 rollout_correction_loss.batch_statistics = _rollout_correction_batch_statistics
+
+
+@POLICY_LOSSES.register("decoupled_ppo")
+def decoupled_ppo_loss(logp, old_logp, advantages, loss_mask, *, behaviour_logp=None, clip_ratio_low=0.2,
+                       clip_ratio_high=0.28, clip_ratio_c=3.0, decoupled_weight_cap=0.0, **_):
+    """AReaL's decoupled PPO objective (Fu et al., 2025, "AReaL", arXiv 2505.24298, eq. 5), for batches
+    sampled by an older policy than the one the update starts from (asynchronous rollout):
+
+        rho = pi_theta / pi_prox                       (``logp - old_logp``; the clip is around pi_prox)
+        w   = pi_prox / pi_behav                       (``old_logp - behaviour_logp``; no gradient)
+        L   = w * PPO(rho, A)                          (``ppo_clip_loss``: asymmetric and dual clip)
+
+    ``old_logp`` are the proximal policy's (the parameters this update starts from, scored by the
+    trainer); ``behaviour_logp`` the policy's that sampled the tokens (the rollout's, recorded at
+    sampling). On a synchronous batch the two agree and ``w`` is 1 up to the sampler's numerics.
+    ``decoupled_weight_cap`` > 0: a token whose ``w`` exceeds it contributes 0 (it stays in the
+    denominator, as AReaL's ``behav_imp_weight_cap``); 0 = no cap. ``|log w|`` is clamped at 20.
+
+    Metrics: PPO's (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` against pi_prox), plus
+    ``behaviour_weight_mean`` / ``behaviour_weight_max`` over the mask (before the cap) and
+    ``behaviour_capped`` (the fraction of tokens the cap removed).
+    """
+    if behaviour_logp is None:
+        raise ValueError("policy_loss='decoupled_ppo' needs the behaviour policy's log-probs (behaviour_logp "
+                         "[B, L], the rollout's sampler_logprobs); the StarPO update passes them")
+    _check_shapes("decoupled_ppo_loss", logp=logp, old_logp=old_logp, advantages=advantages, loss_mask=loss_mask,
+                  behaviour_logp=behaviour_logp)
+    ppo, metrics = ppo_clip_loss(logp, old_logp, advantages, loss_mask, clip_ratio_low=clip_ratio_low,
+                                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    mask = loss_mask.astype(bool)
+    log_w = jnp.clip(jax.lax.stop_gradient(old_logp - behaviour_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = jnp.exp(log_w)
+    capped = mask & (weight > decoupled_weight_cap) if decoupled_weight_cap > 0 else jnp.zeros_like(mask)
+    loss = jnp.where(mask & ~capped, weight * ppo, 0.0)
+    metrics = dict(metrics)
+    metrics["behaviour_weight_mean"] = masked_mean(weight, mask)
+    metrics["behaviour_weight_max"] = jnp.max(jnp.where(mask, weight, 0.0))
+    metrics["behaviour_capped"] = masked_mean(capped.astype(jnp.float32), mask)
+    return loss, metrics
+
+
+decoupled_ppo_loss.uses_behaviour_logp = True
+
+
+def uses_behaviour_logp(name: str) -> bool:
+    """Whether the policy loss ``name`` reads the sampling policy's log-probs (``behaviour_logp``)."""
+    return bool(getattr(POLICY_LOSSES.get(name), "uses_behaviour_logp", False))
 
 
 def policy_loss(name: str, logp, old_logp, advantages, loss_mask, **hparams):

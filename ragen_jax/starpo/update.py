@@ -343,6 +343,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
     mode = cfg.critic_mode
     chunk = cfg.logprob_chunk_size
     policy_hparams = cfg.policy_loss_hparams
+    uses_behaviour = losses.uses_behaviour_logp(cfg.policy_loss)
 
     def critic_values(critic_params, critic_rest, tokens, policy_hidden):
         """Values ``V(tokens[:t])`` [B, L] aligned to targets (the value head read at t - 1)."""
@@ -366,6 +367,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         mask, row_w = mb["loss_mask"], mb["row_weights"]
         old_logp = jax.lax.stop_gradient(logp) if single_pass else mb["old_logp"]
         batch_terms = {} if pg_den is None else {"kept_mask": mb["kept_mask"], "is_weight_mean": is_weight_mean}
+        behaviour = {"behaviour_logp": mb["behaviour_logp"]} if uses_behaviour else {}
         actor_num, _, terms = losses.actor_objective(
             logp, old_logp, mb["advantages"], mask, loss_agg_mode=cfg.actor_loss_agg_mode, row_weights=row_w,
             policy_loss_name=cfg.policy_loss, entropy=entropy, entropy_coeff=cfg.entropy_coeff,
@@ -373,7 +375,7 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             # loss off on a config that sets a coefficient must not demand reference log-probs.
             ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type,
             kl_coef=cfg.kl_coef if cfg.use_kl_loss else 0.0,
-            noise=mb.get("policy_noise"), **policy_hparams, **batch_terms)
+            noise=mb.get("policy_noise"), **policy_hparams, **batch_terms, **behaviour)
         aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
         if cfg.use_kl_loss:
             aux["kl_num"] = terms["kl_num"]
@@ -389,6 +391,10 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         aux["ppo_kl"] = terms["ppo_kl"] * n_kl
         aux["n_kl_tokens"] = n_kl
         aux["n_tokens"] = n_tok
+        if uses_behaviour:  # the decoupled objective's weights pi_prox / pi_behav
+            aux["behaviour_weight_sum"] = terms["behaviour_weight_mean"] * n_tok
+            aux["behaviour_capped"] = terms["behaviour_capped"] * n_tok
+            aux["behaviour_weight_max"] = terms["behaviour_weight_max"]
         if single_pass:
             diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - mb["sampler_logp"]), 0.0)
             aux["sampler_diff_sum"], aux["sampler_diff_max"] = jnp.sum(diff), jnp.max(diff)
@@ -586,6 +592,8 @@ def update_batch(cfg, traj: Trajectory, train_mask: jax.Array, row_weights: jax.
         data["old_logp"] = old["logp"]
     else:  # single pass: the loss forward supplies the old log-probs and compares them with the sampler's
         data["sampler_logp"] = traj.sampler_logprobs
+    if losses.uses_behaviour_logp(cfg.policy_loss):  # the sampling policy's, for the decoupled objective
+        data["behaviour_logp"] = traj.sampler_logprobs
     if cfg.use_kl_loss:
         data["ref_logp"] = old["ref_logp"]
     if cfg.critic_mode != "none":
@@ -664,8 +672,9 @@ def _accumulated_gradients(grad_fn, params, c_params, rest, micro: dict, loss_ar
     def accumulate(acc, md):
         (_, aux), grads = grad_fn(params, c_params, rest, md, *loss_args)
         grads, summed = jax.tree.map(jnp.add, acc, (grads, aux))
-        if single:  # a maximum over the micro-batches, not a sum
-            summed["sampler_diff_max"] = jnp.maximum(acc[1]["sampler_diff_max"], aux["sampler_diff_max"])
+        for name in ("sampler_diff_max", "behaviour_weight_max"):  # maxima over the micro-batches, not sums
+            if name in aux:
+                summed[name] = jnp.maximum(acc[1][name], aux[name])
         return (grads, summed), None
 
     zero_aux = jax.tree.map(
@@ -690,6 +699,10 @@ def _actor_step_metrics(cfg, aux: dict, den, pg_den, grad_norm, finite, single: 
     }
     if cfg.use_kl_loss:
         metrics["actor/kl_loss"] = _safe_div(aux["kl_num"], den)
+    if "behaviour_weight_sum" in aux:
+        metrics["actor/behaviour_weight_mean"] = _safe_div(aux["behaviour_weight_sum"], aux["n_tokens"])
+        metrics["actor/behaviour_weight_max"] = aux["behaviour_weight_max"]
+        metrics["actor/behaviour_capped"] = _safe_div(aux["behaviour_capped"], aux["n_tokens"])
     if single:
         metrics["actor/sampler_logprob_abs_diff_mean"] = _safe_div(aux["sampler_diff_sum"], aux["n_tokens"])
         metrics["actor/sampler_logprob_abs_diff_max"] = aux["sampler_diff_max"]

@@ -16,9 +16,11 @@ search_*.jsonl``: one- and two-hop questions about fictional people and towns) w
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Callable, Sequence
 
+from environments.core import Plan
 from environments.text import data_file, load_records, retrieval
 from environments.text.search_qa import DEFAULT_QUESTIONS, score_answer, shared_bm25
 from ragen_jax.rollout.chat import system_with_tools
@@ -27,6 +29,7 @@ from ragen_jax.tools.calls import parse_calls, run_calls
 from ragen_jax.tools.openai_format import tools_listing
 from ragen_jax.tools.schema import Tool
 
+_SENTENCE = re.compile(r"[^.\n]*[.]")
 _FINISH = re.compile(r"^\s*(?:finish|answer)\[(.*)\]\s*$", flags=re.DOTALL)
 
 
@@ -63,6 +66,7 @@ class ToolEnv:
         self.instruction = tools_instruction(tools, task_text)
         self.turns = self.calls_made = 0
         self.task = None
+        self.responses: list[str] = []  # this episode's tool outputs, in order (what an expert reads)
         self.counts = {"tool_calls": 0, "tool_errors": 0, "malformed_calls": 0}
 
     def instruction_for(self, tokenizer) -> str:
@@ -79,6 +83,7 @@ class ToolEnv:
     def reset(self, seed: int) -> str:
         self.task = self.tasks[int(seed) % len(self.tasks)]
         self.turns = self.calls_made = 0
+        self.responses = []
         return f"Question: {self.task['question']}"
 
     def take_counters(self) -> dict:
@@ -104,6 +109,7 @@ class ToolEnv:
                     {"action_is_valid": True, "action_is_effective": False, "success": False})
         self.calls_made += len(calls)
         results = run_calls(calls, self.tools)
+        self.responses.extend(r.content for r in results)
         malformed = sum(bool(c.error) for c in calls)
         self.counts["tool_calls"] += len(calls)
         self.counts["malformed_calls"] += malformed
@@ -132,3 +138,63 @@ class ToolSearchQA(ToolEnv):
         super().__init__([search], rows, lambda a, t: score_answer(a, t, correct_reward, f1_threshold),
                          task_text="Answer the user's question. Search the knowledge corpus for the facts you need.",
                          fmt=fmt, max_turns=max_turns, max_tool_calls=max_tool_calls)
+
+    # --- the warm-up's expert (``HostEnv.expert_episode``) ------------------------------------------
+    def expert(self) -> Plan:
+        """What a searcher who knows the answer does next, reading only this episode's tool outputs.
+
+        Once a result states the ground truth, it answers ``finish[truth]`` quoting that sentence.
+        Before that it searches: first the question; then, for a two-hop question, the bridge entity
+        (a name the results mention and the question does not) whose own search returns the answer,
+        found by trying the results' names with the tool (the expert knows what it is looking for).
+        """
+        truths = self.task["ground_truth"]
+        truths = [truths] if isinstance(truths, str) else [str(t) for t in truths]
+        evidence = _sentence_with(self.responses, truths)
+        if evidence is not None:
+            sentence, truth = evidence
+            return Plan(answers=[f"finish[{truth}]"],
+                        reasoning=lambda answers, s=sentence, t=truth: f"The search result says: {s} So the answer is {t}.")
+        if not self.responses:
+            query = self.task["question"]
+            reasoning = "I do not know this yet, so I search the corpus for the question."
+        else:
+            query, sentence = self._bridge(truths)
+            reasoning = f"The search result says: {sentence} Next I search for {query}."
+        call = json.dumps({"name": "search", "arguments": {"query": query}})
+        return Plan(answers=[f"<tool_call>{call}</tool_call>"], reasoning=lambda answers, r=reasoning: r)
+
+    def _bridge(self, truths: list[str]) -> tuple[str, str]:
+        """``(name, sentence)``: the first name in this episode's results, not in the question, whose
+        search returns a passage stating a ground truth, with the sentence that mentions it (the first
+        result's first sentence when none does)."""
+        question = self.task["question"].lower()
+        seen = []
+        for text in self.responses:
+            for sentence in _SENTENCE.findall(_passages(text)):
+                for name in re.findall(r"\b[A-Z][a-z]+\b", sentence):
+                    if name.lower() not in question and name not in seen and name not in _NOT_NAMES:
+                        seen.append(name)
+                        if _sentence_with([str(self.tools["search"](query=name))], truths) is not None:
+                            return name, sentence.strip()
+        first = _SENTENCE.findall(_passages(self.responses[-1]))
+        return self.task["question"], (first[0].strip() if first else "nothing useful.")
+
+
+_NOT_NAMES = {"Document", "ID", "Score", "Its", "The", "He", "She", "They", "In", "On", "A", "An"}
+
+
+def _passages(text: str) -> str:
+    """A search tool's output without its ``[Document i] (ID: ..., Score: ...)`` headers."""
+    return re.sub(r"\[Document \d+\] \(ID: [^)]*\)\s*", "", text)
+
+
+def _sentence_with(texts: Sequence[str], truths: Sequence[str]) -> tuple[str, str] | None:
+    """The first ``(sentence, truth)`` of ``texts``' passages that states one of ``truths`` (as a whole
+    word, any case)."""
+    for text in texts:
+        for sentence in _SENTENCE.findall(_passages(text)):
+            for truth in truths:
+                if re.search(rf"\b{re.escape(truth)}\b", sentence, flags=re.IGNORECASE):
+                    return sentence.strip(), truth
+    return None

@@ -51,13 +51,31 @@ class Setup:
     update_on_rows: Callable[[int], Callable] | None = None
     # gradient_analysis(train_state, trajectory) -> metrics (trainer.gradient_analysis_every)
     gradient_analysis: Callable | None = None
+    # The training rollout on the devices of ``mesh.rollout_devices`` (None: colocated, ``rollout``).
+    rollout_on_own_devices: Rollout | None = None
+
+
+def _split_devices(spec: RunSpec) -> tuple[list, list]:
+    """``(update devices, rollout devices)``: the last ``mesh.rollout_devices`` run the rollout alone."""
+    devices, k = jax.devices(), int(spec.mesh.rollout_devices)
+    if not k:
+        return devices, []
+    if jax.process_count() > 1:
+        raise ConfigError(f"mesh.rollout_devices={k} runs in one process for now; this run has "
+                          f"{jax.process_count()} (set mesh.rollout_devices=0)")
+    if k >= len(devices):
+        raise ConfigError(f"mesh.rollout_devices={k} leaves none of the {len(devices)} devices to the update; "
+                          "give the rollout fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                          "makes N devices)")
+    return devices[: len(devices) - k], devices[len(devices) - k:]
 
 
 def make_placement(spec: RunSpec):
-    """The run's mesh (``config.mesh``) over the devices of every process."""
+    """The run's mesh (``config.mesh``) over the devices of every process (less the rollout's own,
+    ``mesh.rollout_devices``)."""
     m = spec.mesh
     try:
-        placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor))
+        placement = Placement.from_shape(int(m.data), int(m.fsdp), int(m.tensor), devices=_split_devices(spec)[0])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     batch, divisor = spec.rollout.batch_size, placement.batch_divisor
@@ -65,6 +83,18 @@ def make_placement(spec: RunSpec):
         raise ConfigError(f"rollout.num_groups × rollout.group_size = {batch} trajectories cannot be split over "
                           f"mesh.data × mesh.fsdp = {divisor} devices; make the batch a multiple of {divisor} "
                           "or move devices to mesh.tensor")
+    return placement
+
+
+def rollout_placement(spec: RunSpec) -> Placement | None:
+    """The rollout's own mesh (data parallel over ``mesh.rollout_devices``), None when colocated."""
+    devices = _split_devices(spec)[1]
+    if not devices:
+        return None
+    placement = Placement.from_shape(-1, 1, 1, devices=devices)
+    if spec.rollout.batch_size % placement.batch_divisor:
+        raise ConfigError(f"rollout.num_groups × rollout.group_size = {spec.rollout.batch_size} trajectories cannot "
+                          f"be split over mesh.rollout_devices = {len(devices)} devices; make the batch a multiple")
     return placement
 
 
@@ -129,6 +159,9 @@ def setup(spec: RunSpec, placement=None) -> Setup:
                                           num_buckets=spec.trainer.gradient_analysis_num_buckets,
                                           shared_prefix_len=len(rollout.codec.preamble_ids),
                                           per_turn_rows=rollout.per_turn_rows, placement=placement)
+    own = rollout_placement(spec)
+    rollout_on_own_devices = None if own is None else make_rollout(graphdefs.policy, env, train_env_params, tokenizer,
+                                                                   spec.rollout, placement=own)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),
                  placement, state_shardings, train_env_params, warmup_rollout,
-                 functools.lru_cache(maxsize=None)(update_on_rows), analysis)
+                 functools.lru_cache(maxsize=None)(update_on_rows), analysis, rollout_on_own_devices)

@@ -37,6 +37,7 @@ from ragen_jax.training.evaluate import Evaluator
 from ragen_jax.training.event_log import Logger, quadrant_figure, save_learning_curve, to_host_scalars, trim_events
 from ragen_jax.training.metrics import EarlyStop, rollout_metrics
 from ragen_jax.training.paired import mean_se, sign_flip_p
+from ragen_jax.training.pipeline import RolloutPipeline
 from ragen_jax.training.run import Setup, make_placement, setup
 from ragen_jax.training.wandb_sink import WandbSink
 from ragen_jax.training.warmup import run_warmup
@@ -215,13 +216,17 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
     t = spec.trainer
     steps, bar = _steps(spec, start_step, show=run.placement.is_main)
     base_key = jax.random.key(spec.seed)
+    # Asynchronous rollout: the next steps' batches are sampled while this one trains (training.pipeline).
+    pipeline = RolloutPipeline(run, t.max_staleness, base_key, t.total_steps) if t.max_staleness else None
     step, stop_reason = start_step, None
     for step in steps:
+        sampled, pipeline_metrics = pipeline.take(step, train_state) if pipeline is not None else (None, {})
         train_state, traj, metrics = starpo_step(run, train_state, jax.random.fold_in(base_key, step),
                                                  spec.rollout.group_size, spec.starpo.seq_len_multiple,
                                                  spec.filter.dynamic_sampling_rounds,
                                                  _analyses_gradients(t.gradient_analysis_every, step),
-                                                 host.start_replay)
+                                                 host.start_replay, sampled)
+        metrics.update(pipeline_metrics)
         _warn_about_step(spec, step, metrics, host.summary, bar)
         _track(spec, host, step, metrics)
         _log_step(loop, step, metrics, traj)
@@ -252,7 +257,7 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
 
 def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0,
                 dynamic_sampling_rounds: int = 0, analyse_gradients: bool = False,
-                start_replay: StartReplay | None = None):
+                start_replay: StartReplay | None = None, sampled=None):
     """One StarPO iteration: rollout with the current policy, then the compiled update.
 
     ``seq_len_multiple`` > 0: the update sees the batch cut to its longest row, rounded up to a
@@ -263,7 +268,9 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     ``analyse_gradients``: run ``run.gradient_analysis`` on the batch before the update (its
     ``grad_norm*/`` metrics join the step's; timed as ``timing_s/gradient_analysis``).
     ``start_replay``: some groups replay unsolved starts from its queue, and this rollout's unsolved
-    groups join it (``starpo.start_replay``; logged as ``rollout/replayed_*``).
+    groups join it (``starpo.start_replay``; logged as ``rollout/replayed_*``). ``sampled``: the
+    step's batch, already sampled (``training.pipeline``: by an earlier policy, on the update's
+    devices); then no rollout runs here and ``timing_s/rollout`` is what reading its statistics took.
 
     Returns ``(train_state, trajectory, metrics)``: ``train/*`` episode statistics of the rollout,
     the update's metrics (MI-proxy keys only on steps that computed them) and ``timing_s/*``.
@@ -271,7 +278,9 @@ def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_le
     t0 = time.time()
     params = policy_params(train_state)
     sampling_metrics = {}
-    if start_replay is None:
+    if sampled is not None:
+        traj = sampled
+    elif start_replay is None:
         traj = run.rollout(params, key)
     else:
         traj, sampling_metrics = _rollout_with_replay(run, params, key, group_size, start_replay)

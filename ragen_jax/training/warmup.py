@@ -11,7 +11,8 @@ Expert. At every turn the env's closed-loop expert (``env.expert``, in each envi
 holes for FrozenLake, search for the cube, Sudoku and Countdown, expectimax for 2048) and takes
 the first ``max_actions_per_turn`` actions. States are simulated on the host with the rollout's own
 step keys (``fold_in(env_key, actions_taken + 1)``), so even slippery FrozenLake's outcomes match
-what the scripted rollout then produces. Each reply is short, state-specific reasoning plus the
+what the scripted rollout then produces. A Python (host) environment's expert is its ``expert()``
+method, played on a spare instance (``HostEnv.expert_episode``). Each reply is short, state-specific reasoning plus the
 answer, e.g. ``The player is at (1, 3) and the goal at (2, 0); moving Left avoids the hole at
 (1, 2).</think><answer>Left || Down</answer>``.
 
@@ -38,6 +39,7 @@ from ragen_jax.config import WarmupConfig
 from ragen_jax.config.checks import section_from_dict
 from ragen_jax.rollout import codec as codec_lib
 from ragen_jax.rollout.carry import ForcedReplies
+from ragen_jax.rollout.host_env import HostEnv
 from ragen_jax.rollout.loop import Rollout, make_rollout
 from ragen_jax.rollout.trajectory import Trajectory
 from ragen_jax.rollout.turn_rows import turn_rows
@@ -77,26 +79,18 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
       the observation (``"The player is at (2, 1) and the goal at (0, 3)"``, the reasoning before
       its first ``;``) — what ``make_reading_check`` checks.
     """
-    env, ep, c = rollout.env, rollout.env_params, rollout.config
+    c = rollout.config
     B, T, N = env_keys.shape[0], c.max_turns, c.max_new_tokens
-    reset, step = _compiled_env(env)
-    states = jax.tree.map(np.asarray, reset(env_keys, ep)[1])
+    if isinstance(rollout.env, HostEnv):
+        episodes = [rollout.env.expert_episode(seed, T, c.max_actions_per_turn, c.max_actions_per_traj, rng,
+                                               action_noise) for seed in HostEnv.seeds_of(env_keys)]
+    else:
+        episodes = _device_expert_episodes(rollout, env_keys, rng, action_noise)
     tokens = np.full((B, T, N), rollout.codec.pad_id, np.int32)
     lengths = np.zeros((B, T), np.int32)
     described = np.zeros((B, T), np.int32)
-    success = np.zeros((B,), bool)
-    for b in range(B):
-        state = jax.tree.map(lambda x: x[b], states)  # numpy: per-row slicing on the host
-        key = env_keys[b]
-        n_actions, done = 0, False
-        for t in range(T):
-            if done or n_actions >= c.max_actions_per_traj:
-                break
-            expert = env.expert(jax.tree.map(np.asarray, state), ep)
-            answers = list(expert.answers[: c.max_actions_per_turn])
-            if not answers or (action_noise and rng.random() < action_noise):
-                answers = [env.random_answer(state, rng)]
-            reasoning = expert.reasoning(answers)
+    for b, (turns, _) in enumerate(episodes):
+        for t, (reasoning, answers) in enumerate(turns):
             ids = codec_lib.encode(rollout.tokenizer, reply_text(reasoning, answers, c.enable_think))
             if len(ids) > N:
                 raise ValueError(f"an expert reply needs {len(ids)} tokens but rollout.max_new_tokens={N}; "
@@ -104,15 +98,40 @@ def expert_replies(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generat
             tokens[b, t, : len(ids)] = ids
             lengths[b, t] = len(ids)
             described[b, t] = _described_tokens(rollout.tokenizer, reasoning, ids) if c.enable_think else 0
+    success = np.array([ok for _, ok in episodes], bool)
+    return ForcedReplies(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)), success, described
+
+
+def _device_expert_episodes(rollout: Rollout, env_keys: jax.Array, rng: np.random.Generator,
+                            action_noise: float) -> list[tuple[list[tuple[str, list[str]]], bool]]:
+    """An on-device env's expert over each row's episode: ``[([(reasoning, answers)] per turn, success)]``.
+    States are simulated on the host with the rollout's own step keys, so stochastic outcomes match."""
+    env, ep, c = rollout.env, rollout.env_params, rollout.config
+    reset, step = _compiled_env(env)
+    states = jax.tree.map(np.asarray, reset(env_keys, ep)[1])
+    episodes = []
+    for b in range(env_keys.shape[0]):
+        state = jax.tree.map(lambda x: x[b], states)  # numpy: per-row slicing on the host
+        key = env_keys[b]
+        turns, n_actions, done, success = [], 0, False, False
+        for _ in range(c.max_turns):
+            if done or n_actions >= c.max_actions_per_traj:
+                break
+            expert = env.expert(jax.tree.map(np.asarray, state), ep)
+            answers = list(expert.answers[: c.max_actions_per_turn])
+            if not answers or (action_noise and rng.random() < action_noise):
+                answers = [env.random_answer(state, rng)]
+            turns.append((expert.reasoning(answers), answers))
             for answer in answers[: c.max_actions_per_traj - n_actions]:
                 skey = jax.random.fold_in(key, n_actions + 1)
                 _, state, _, term, trunc, info = step(skey, state, env.answer_action(answer), ep)
                 n_actions += 1
                 if bool(term) or bool(trunc):
                     done = True
-                    success[b] = bool(info["success"]) and bool(term)
+                    success = bool(info["success"]) and bool(term)
                     break
-    return ForcedReplies(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)), success, described
+        episodes.append((turns, success))
+    return episodes
 
 
 def _described_tokens(tokenizer, reasoning: str, reply_ids: list[int]) -> int:

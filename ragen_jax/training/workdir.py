@@ -43,13 +43,15 @@ RESUME_SAFE_KEYS = (
     # Where the metrics go besides TensorBoard.
     *(f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)),
     # A checkpoint restores onto any mesh (orbax reshards it), so a run may resume on other hardware.
-    "mesh.data", "mesh.fsdp", "mesh.tensor",
+    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.rollout_devices",
     # The gradient analysis measures; it changes no parameter.
     "trainer.gradient_analysis_every", "trainer.gradient_analysis_buckets", "trainer.gradient_analysis_num_buckets",
 )
 # In eval mode only these must be the run's own: a checkpoint scored on another env or restored
 # into another model measures nothing.
 EVAL_MUST_MATCH = ("env.", "model.")
+# ... except these, which choose which questions of the same task are scored (a held-out split).
+EVAL_MAY_CHANGE = ("env.split",)
 
 
 # --- one writer per workdir -----------------------------------------------------------------------
@@ -249,14 +251,20 @@ def check_eval_workdir(spec) -> list[str]:
     if saved is None or not checkpoint_steps(workdir):
         return []
     changes = run_changes(saved, spec.config)
-    wrong = [c for c in changes if c[0].startswith(EVAL_MUST_MATCH)]
+    wrong = [c for c in changes if c[0].startswith(EVAL_MUST_MATCH) and c[0] not in EVAL_MAY_CHANGE]
     if wrong:
         raise ConfigError(
             f"workdir {str(workdir)!r} was trained with another env or model: {format_changes(wrong)}. "
             f"Evaluate it with the run's own config (saved in {workdir / 'config.json'}), e.g. the config file "
             "it was trained with, with only eval.* keys changed")
+    notes = []
+    split = [c for c in changes if c[0] in EVAL_MAY_CHANGE]
+    if split:
+        notes.append(f"evaluating on other data of the run's task: {format_changes(split)}")
     other = [c for c in changes if c[0].startswith("rollout.")]
-    return [f"evaluating with rollout settings that differ from training: {format_changes(other)}"] if other else []
+    if other:
+        notes.append(f"evaluating with rollout settings that differ from training: {format_changes(other)}")
+    return notes
 
 
 def explain_mismatch(config) -> str:

@@ -100,3 +100,22 @@ def test_smollm2_answers_paris(smollm2):
         out.append(int(nxt[0]))
     answer = tok.decode(out, skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_a_reply_stops_at_answer_whatever_bpe_merges_into_the_closing_tag():
+    """SmolLM2's BPE writes ``</tool_call></answer>`` with a ``></`` token, so the plain ``</answer>``
+    tokens never appear and a tool call's reply ran on past its answer. Every printable character
+    before the tag (checked one by one, independently of how the stop set is built) must leave a
+    token sequence that ends with one of the rollout's stop sequences."""
+    import string
+
+    from ragen_jax.rollout import codec as codec_lib
+    from ragen_jax.rollout.loop import answer_stop_sequences
+
+    tok = load_tokenizer(smollm2_gguf_path())
+    stops = answer_stop_sequences(tok)
+    assert tuple(codec_lib.encode(tok, "></answer>")) in stops
+    for c in " " + string.printable.strip():
+        ids = tuple(codec_lib.encode(tok, f'{{"query": "x"}}{c}</answer>'))
+        assert any(ids[-len(s):] == s for s in stops), (c, tok.convert_ids_to_tokens(list(ids)))
+    assert all(tok.decode(list(s)).endswith("</answer>") for s in stops)

@@ -363,3 +363,29 @@ def soft_advantage_weights(scores, group_size):
     stds = [1.0 if len(g) == 1 else std_unbiased(g) for g in groups_of(scores, group_size)]
     top = max(stds)
     return np.repeat([s / (top + 1e-6) for s in stds], group_size)
+
+
+def decoupled_ppo(logp, prox_logp, behav_logp, adv, mask, eps_low, eps_high, c, cap=0.0):
+    """AReaL's decoupled PPO objective (arXiv 2505.24298, eq. 5), per token, as a loss to minimise:
+
+        J_t = (pi_prox / pi_behav) * min(u A, clip(u, 1 - eps_low, 1 + eps_high) A),  u = pi_theta / pi_prox
+
+    (with the dual clip for A < 0 as ``ppo_token``), L_t = -J_t; a token whose weight exceeds ``cap``
+    (> 0) contributes 0. Returns (loss [B, L], d loss / d logp [B, L], mean weight over the mask)."""
+    B, L = logp.shape
+    loss, grad, weights = np.zeros((B, L)), np.zeros((B, L)), []
+    for b in range(B):
+        for t in range(L):
+            if not mask[b, t]:
+                continue
+            w = math.exp(min(max(prox_logp[b, t] - behav_logp[b, t], -20.0), 20.0))
+            weights.append(w)
+            if cap > 0 and w > cap:
+                continue
+            inner, clipped, binds, _ = ppo_token(logp[b, t], prox_logp[b, t], adv[b, t], eps_low, eps_high, c)
+            loss[b, t] = w * inner
+            u = math.exp(min(max(logp[b, t] - prox_logp[b, t], -20.0), 20.0))
+            clamped = abs(logp[b, t] - prox_logp[b, t]) > 20.0
+            # d(-A u)/d logp = -A u where the unclipped term is the one taken; clipped terms are constant.
+            grad[b, t] = 0.0 if (clipped or binds or clamped) else -w * adv[b, t] * u
+    return loss, grad, mean(weights)

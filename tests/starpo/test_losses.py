@@ -287,3 +287,43 @@ def test_shape_mismatches_are_named():
         losses.aggregate(jnp.zeros((2, 3)), jnp.ones((2, 3)), "token-mean", jnp.ones(3))
     with pytest.raises(ValueError, match="ppo_clip_loss.*advantages \\(1, 2\\)"):
         losses.ppo_clip_loss(jnp.zeros((2, 2)), jnp.zeros((2, 2)), jnp.zeros((1, 2)), jnp.ones((2, 2)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_decoupled_ppo_matches_the_papers_objective(seed, cap):
+    """AReaL's decoupled objective against ``ref.decoupled_ppo`` (the paper's eq. 5 per token): loss,
+    gradient in the current log-probs and the weight metrics, with behaviour log-probs drawn apart
+    from the proximal ones (some weights above the cap)."""
+    logp, prox, adv, mask = random_policy_batch(seed)
+    rng = np.random.default_rng(100 + seed)
+    behav = prox - rng.normal(scale=0.6, size=prox.shape)
+    want, want_grad, want_w = ref.decoupled_ppo(logp, prox, behav, adv, mask, 0.2, 0.28, 3.0, cap)
+    args = [jnp.asarray(a, jnp.float32) for a in (logp, prox, adv)]
+
+    def total(lp):
+        out, _ = losses.policy_loss("decoupled_ppo", lp, *args[1:], jnp.asarray(mask),
+                                    behaviour_logp=jnp.asarray(behav, jnp.float32), clip_ratio_low=0.2,
+                                    clip_ratio_high=0.28, clip_ratio_c=3.0, decoupled_weight_cap=cap)
+        return out.sum(), out
+
+    (_, got), grad = jax.value_and_grad(total, has_aux=True)(args[0])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
+    _, metrics = losses.policy_loss("decoupled_ppo", *args, jnp.asarray(mask),
+                                    behaviour_logp=jnp.asarray(behav, jnp.float32), decoupled_weight_cap=cap)
+    np.testing.assert_allclose(float(metrics["behaviour_weight_mean"]), want_w, rtol=1e-5)
+    w = np.exp(prox - behav)[mask]
+    np.testing.assert_allclose(float(metrics["behaviour_capped"]), np.mean(w > cap) if cap else 0.0, rtol=1e-6)
+    assert (cap == 0.0) or 0 < float(metrics["behaviour_capped"]) < 1
+
+
+def test_decoupled_ppo_on_a_synchronous_batch_is_ppo_and_names_its_missing_input():
+    """Behaviour = proximal log-probs (a synchronous batch): every weight is 1 and the loss is PPO's."""
+    logp, old, adv, mask = random_policy_batch(5)
+    args = [jnp.asarray(a, jnp.float32) for a in (logp, old, adv)] + [jnp.asarray(mask)]
+    got, metrics = losses.policy_loss("decoupled_ppo", *args, behaviour_logp=args[1])
+    np.testing.assert_allclose(got, losses.policy_loss("ppo", *args)[0], rtol=1e-6, atol=1e-7)
+    assert float(metrics["behaviour_weight_mean"]) == 1.0 and float(metrics["behaviour_capped"]) == 0.0
+    with pytest.raises(ValueError, match="behaviour_logp"):
+        losses.policy_loss("decoupled_ppo", *args)

@@ -655,3 +655,37 @@ def test_loss_token_logprobs_give_the_every_position_update():
                                               reply_tokens=longest_reply - 1)])
     assert float(m_short["actor/unscored_loss_tokens"]) >= 1.0
 
+
+
+def test_decoupled_ppo_update_weighs_tokens_by_proximal_over_behaviour():
+    """The StarPO update hands the loss the rollout's log-probs as the behaviour policy's. When they are
+    the proximal policy's less log 2 on every token (a batch sampled by a policy that found each token
+    half as likely), the first step's policy loss and gradient are exactly twice PPO's (ratio 1, no
+    clip: the weight 2 scales every token); half the rows shifted give the token-weighted mean weight."""
+    traj = random_traj(53)
+    gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), StarPOConfig(**LINEAR_FIRST_STEP),
+                                   key=jax.random.key(0))
+    policy = nnx.merge(gd.policy, state.params, state.rest[0])
+    logits, _ = policy(traj.tokens, positions_for(traj.tokens))
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    filt, diag = FilterConfig(), CollapseConfig(first_turn_enabled=False, trajectory_enabled=False)
+
+    def first_step(policy_loss, shift):
+        cfg = StarPOConfig(**{**LINEAR_FIRST_STEP, "mini_batch_size": BATCH, "policy_loss": policy_loss})
+        gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), cfg, key=jax.random.key(0))
+        update = U.make_update_step(gd, cfg, filt, diag, group_size=GROUP_SIZE, single_pass=False)
+        return update(state, traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact - shift, 0.0)))[1]
+
+    ppo = first_step("ppo", 0.0)
+    doubled = first_step("decoupled_ppo", jnp.log(2.0))
+    np.testing.assert_allclose(float(doubled["actor/pg_loss"]), 2 * float(ppo["actor/pg_loss"]), rtol=1e-4)
+    np.testing.assert_allclose(float(doubled["actor/grad_norm"]), 2 * float(ppo["actor/grad_norm"]), rtol=1e-4)
+    np.testing.assert_allclose(float(doubled["actor/behaviour_weight_mean"]), 2.0, rtol=1e-4)
+    assert float(doubled["actor/behaviour_capped"]) == 0.0
+    half = jnp.where(jnp.arange(BATCH)[:, None] < BATCH // 2, jnp.log(2.0), 0.0)
+    mixed = first_step("decoupled_ppo", half)
+    mask = np.asarray(traj.loss_mask)
+    want = (2 * mask[: BATCH // 2].sum() + mask[BATCH // 2:].sum()) / mask.sum()
+    np.testing.assert_allclose(float(mixed["actor/behaviour_weight_mean"]), want, rtol=1e-4)
+    np.testing.assert_allclose(float(mixed["actor/behaviour_weight_max"]), 2.0, rtol=1e-4)

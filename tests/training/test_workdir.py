@@ -293,3 +293,21 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, capsys):
     assert "took over the lock" in capsys.readouterr().out
     with WorkdirLock(workdir) as lock:  # released cleanly: no note the next time
         assert lock.note is None
+
+
+def test_eval_on_a_held_out_split_of_the_runs_task_is_allowed_and_said(tmp_path):
+    """``env.split`` chooses which questions of the same task are scored: a run trained on the train
+    split may be evaluated on the test split (with a note); any other env key is still refused."""
+    pytest.importorskip("bm25s")
+    from configs import search_tools
+
+    config = search_tools.get_config()
+    config.workdir = str(tmp_path)
+    _fake_run(tmp_path, config)
+    held_out = search_tools.get_config()
+    held_out.workdir, held_out.mode, held_out.env.split = str(tmp_path), "eval", "test"
+    notes = check_eval_workdir(resolve(held_out))
+    assert len(notes) == 1 and "env.split: '<unset>' -> 'test'" in notes[0]
+    held_out.env.top_k = 3
+    with pytest.raises(ConfigError, match=r"env\.top_k: 2 -> 3"):
+        check_eval_workdir(resolve(held_out))

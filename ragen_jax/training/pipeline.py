@@ -1,0 +1,113 @@
+"""Asynchronous rollout: the batches of the next steps are sampled while the update trains on this one.
+
+With ``trainer.max_staleness = η > 0`` the loop keeps the rollouts of the next η steps in flight. At
+the start of step ``s`` the policy is version ``s - 1`` (``s - 1`` updates since the warm-up); the
+rollouts of steps up to ``s + η`` not launched yet start from it, and the update trains on the batch
+of step ``s``, launched η steps earlier. A batch is therefore trained exactly η versions after the
+policy that sampled it (fewer in the first η steps), never more: admission is paced, nothing is
+dropped (dropping stale batches would bias training toward fast episodes), and the schedule — which
+version samples which step, with which key — does not depend on timing, so a run is reproducible.
+
+Where the two run: with ``mesh.rollout_devices = k`` the last k devices hold a copy of the policy and
+run only the rollout, the others the update, so rollout and update overlap; JAX dispatches both
+programs without waiting. Colocated (``k = 0``) they queue on the same devices: the schedule and the
+numbers are the same, without the overlap. Weight sync: after each update the trained parameters
+are copied to the rollout's devices (a LoRA run copies its adapters; the frozen base once), into
+buffers the pipeline owns, since the update donates the train state's.
+
+The off-policy correction is the loss's business: ``starpo.policy_loss='decoupled_ppo'`` (AReaL's
+decoupled objective, the rollout's own log-probs as the behaviour policy's) or
+``'rollout_correction'``; plain PPO clips around the proximal policy the update re-scores.
+
+Metrics (``async/*``): ``staleness`` (versions between sampling and training), ``policy_version``
+(the version that sampled the batch), ``trainer_wait_s`` (the time the update waited for its batch),
+``launch_s`` (host time to copy weights and dispatch rollouts), ``rollout_idle`` (1 when the rollout devices had finished every launched rollout
+before the next was launched: they idled in between), ``in_flight``.
+
+A resumed asynchronous run restarts its pipeline from the checkpoint's policy: its first η steps train
+on fresher batches than the interrupted run would have (the in-flight batches are not checkpointed),
+so unlike the synchronous loop its resume is not bit-identical.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ragen_jax.starpo.train_state import is_lora
+
+
+class RolloutPipeline:
+    """The rollouts in flight of an asynchronous run (see the module docstring)."""
+
+    def __init__(self, run, max_staleness: int, base_key: jax.Array, last_step: int):
+        if max_staleness < 1:
+            raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
+        self.rollout = run.rollout_on_own_devices or run.rollout
+        self.placement = self.rollout.placement  # where the rollout runs
+        self.trainer_placement = run.placement
+        self.own_devices = run.rollout_on_own_devices is not None
+        self.max_staleness, self.base_key, self.last_step = int(max_staleness), base_key, int(last_step)
+        self.in_flight: collections.deque = collections.deque()  # (step, version, trajectory)
+        self.next_step: int | None = None
+        self._weights: tuple[int, object] | None = None  # (version, the policy on the rollout's devices)
+        self._base = None  # a LoRA run's frozen base, copied once
+        self._copy = None
+
+    # --- weight sync --------------------------------------------------------------------------------
+    def _own_copy(self, tree):
+        """``tree`` in fresh buffers laid out for the rollout (the update donates the train state's)."""
+        shardings = self.placement.state_shardings(tree)
+        if self.own_devices:  # another device set: the transfer is the copy
+            return jax.device_put(tree, shardings)
+        if self._copy is None:
+            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
+        return self._copy(tree)
+
+    def _policy(self, train_state, version: int):
+        """The policy of ``version`` on the rollout's devices (copied once per version)."""
+        if self._weights is None or self._weights[0] != version:
+            if is_lora(train_state):
+                if self._base is None:
+                    self._base = self._own_copy(train_state.policy_rest)
+                policy = nnx.merge_state(self._own_copy(train_state.params), self._base)
+            else:
+                policy = self._own_copy(train_state.params)
+            self._weights = (version, policy)
+        return self._weights[1]
+
+    # --- the schedule -----------------------------------------------------------------------------
+    def take(self, step: int, train_state) -> tuple[object, dict]:
+        """Launch the rollouts of steps up to ``step + max_staleness`` from the current policy (version
+        ``step - 1``), then return step ``step``'s batch on the update's devices and its ``async/*``
+        metrics. Steps must come in order (the first one may be any: a resumed run's)."""
+        version = step - 1
+        if self.next_step is None:
+            self.next_step = step
+        t0 = time.time()
+        rollout_idle = bool(self.in_flight) and all(_ready(traj) for _, _, traj in self.in_flight)
+        while self.next_step <= min(step + self.max_staleness, self.last_step):
+            policy = self._policy(train_state, version)
+            key = jax.random.fold_in(self.base_key, self.next_step)
+            self.in_flight.append((self.next_step, version, self.rollout(policy, key)))
+            self.next_step += 1
+        t1 = time.time()
+        launched_step, sampled_by, traj = self.in_flight.popleft()
+        if launched_step != step:
+            raise RuntimeError(f"asynchronous rollout: step {step} asked for, but the next batch in flight is step "
+                               f"{launched_step}'s; steps must be taken in order")
+        traj = jax.block_until_ready(traj)
+        t2 = time.time()
+        if self.own_devices:
+            traj = self.trainer_placement.put_batch(traj)
+        return traj, {"async/staleness": float(version - sampled_by), "async/policy_version": float(sampled_by),
+                      "async/trainer_wait_s": t2 - t1, "async/launch_s": t1 - t0,
+                      "async/rollout_idle": float(rollout_idle), "async/in_flight": float(len(self.in_flight))}
+
+
+def _ready(tree) -> bool:
+    """Whether every array of ``tree`` is computed (a dispatched program has finished)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))

@@ -1,0 +1,45 @@
+"""One small asynchronous StarPO run, in its own process (driven by tests/training/test_async.py).
+
+    python tests/training/async_check.py --devices 2 --rollout_devices 1 --staleness 1 --workdir W --out W.json
+
+The CPU device count is fixed when jax is imported, hence a process per layout. The run is
+``test_trainer.small_config_dict`` (tiny preset, FrozenLake, GRPO, seeds fixed) with
+``trainer.max_staleness`` and ``mesh.rollout_devices`` as given; ``--out`` receives every logged scalar.
+"""
+import argparse
+import json
+import os
+import sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--devices", type=int, default=1)
+ap.add_argument("--rollout_devices", type=int, default=0)
+ap.add_argument("--staleness", type=int, default=0)
+ap.add_argument("--policy_loss", default="ppo")
+ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--workdir", required=True)
+ap.add_argument("--out", required=True)
+args = ap.parse_args()
+
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from ragen_jax.config import resolve  # noqa: E402
+from ragen_jax.training.event_log import read_scalars  # noqa: E402
+from ragen_jax.training.trainer import train  # noqa: E402
+from tests.training.test_trainer import small_config_dict  # noqa: E402
+
+c = small_config_dict(args.workdir, args.steps, **{"trainer.max_staleness": args.staleness,
+                                                  "mesh.rollout_devices": args.rollout_devices,
+                                                  "starpo.policy_loss": args.policy_loss})
+# The tests' persistent XLA cache (tests/conftest.py): the runs of test_async.py share programs.
+c.compilation_cache_dir = os.environ.get("RAGEN_JAX_TEST_CACHE") or os.path.expanduser("~/.cache/ragen_jax/xla-tests")
+c.starpo.actor_lr = 1e-2  # the policy moves visibly in one step: stale and fresh batches differ
+c.filter.update(dict(value=1.0, include_zero=True))  # every group trains (most have no reward spread yet)
+c.trainer.eval_every = 0
+c.trainer.eval_before_train = False
+train(resolve(c))
+scalars = read_scalars(os.path.join(args.workdir, "tensorboard"))
+with open(args.out, "w") as f:
+    json.dump({k: {str(s): v for s, v in series} for k, series in scalars.items()}, f)
