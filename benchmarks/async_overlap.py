@@ -13,8 +13,8 @@ is imported):
     AReaL's decoupled objective).
 
 Cases: ``sokoban`` (``configs/sokoban.py``, tiny preset, on-device env) and ``search_latency``
-(``configs/search_tools.py``, tiny preset, a host environment whose every step waits 50 ms, as a
-retrieval server would). No warm-up and no validation (their cost is the same in both loops); every
+(``configs/search_tools.py``, tiny preset, replies of at most 64 tokens in a 2,048-token transcript, a
+host environment whose every step waits 50 ms, as a retrieval server would). No warm-up and no validation (their cost is the same in both loops); every
 group trains (the filter keeps all). Steps per second are over the steps after the first
 ``--skip`` (which compile). The ratio is async / synchronous, from one invocation; timings are only
 meaningful alone on the cores. Results: ``benchmarks/results_async_overlap.md``.
@@ -58,6 +58,9 @@ def _config(case: str, workdir: str, steps: int, loop: dict):
     c = module.get_config()
     if case != "sokoban":
         c.env.name = "tool_search_slow"
+        # The untrained tiny model writes to its budget every turn: a shorter budget and transcript keep
+        # the run within a 2-core machine's memory (the full config's update peaked above 15 GB).
+        c.rollout.update(dict(max_new_tokens=64, max_seq_len=2048))
     c.workdir = workdir
     c.warmup.update(dict(steps=0, single_turn_steps=0))
     c.filter.update(dict(value=1.0, include_zero=True, dynamic_sampling_rounds=0, start_replay_fraction=0.0))

@@ -205,6 +205,11 @@ class Checkpointer:
         out = self._read(like, step)
         return _decode(out["state"], like), dict(out["meta"]), step
 
+    def read_meta(self, step: int) -> dict:
+        """Checkpoint ``step``'s ``meta`` alone (no array is read)."""
+        self.wait()
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
     def _read(self, like: Any, step: int):
         self.wait()
         return self._manager.restore(step, args=ocp.args.Composite(

@@ -24,9 +24,12 @@ Metrics (``async/*``): ``staleness`` (versions between sampling and training), `
 ``launch_s`` (host time to copy weights and dispatch rollouts), ``rollout_idle`` (1 when the rollout devices had finished every launched rollout
 before the next was launched: they idled in between), ``in_flight``.
 
-A resumed asynchronous run restarts its pipeline from the checkpoint's policy: its first η steps train
-on fresher batches than the interrupted run would have (the in-flight batches are not checkpointed),
-so unlike the synchronous loop its resume is not bit-identical.
+Exact resume: with every checkpoint the pipeline saves what it has in flight — the steps, the policy
+version that samples each, and those versions' trained parameters (``state_dict``; a LoRA run's
+adapters) — in ``checkpoints_pipeline/<step>``. A resumed run launches the same rollouts again from
+the same parameters and keys (``resume``), so it logs what the uninterrupted run logs. A checkpoint
+without its pipeline part (written by the synchronous loop, or damaged) starts the pipeline afresh,
+with a note: its first η steps then train on fresher batches than the interrupted run would have.
 """
 from __future__ import annotations
 
@@ -54,8 +57,11 @@ class RolloutPipeline:
         self.in_flight: collections.deque = collections.deque()  # (step, version, trajectory)
         self.next_step: int | None = None
         self._weights: tuple[int, object] | None = None  # (version, the policy on the rollout's devices)
+        self._trained: dict[int, object] = {}  # version -> its trained parameters, while a rollout of it is in flight
         self._base = None  # a LoRA run's frozen base, copied once
+        self._lora = False
         self._copy = None
+        self.checkpointer = None  # the trainer's, for ``state_dict`` (``checkpoints_pipeline/``)
 
     # --- weight sync --------------------------------------------------------------------------------
     def _own_copy(self, tree):
@@ -67,17 +73,20 @@ class RolloutPipeline:
             self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
         return self._copy(tree)
 
-    def _policy(self, train_state, version: int):
-        """The policy of ``version`` on the rollout's devices (copied once per version)."""
+    def _policy(self, train_state, version: int, trained=None):
+        """The policy of ``version`` on the rollout's devices (copied once per version); ``trained``: that
+        version's trained parameters when they are not ``train_state``'s (a resume's)."""
         if self._weights is None or self._weights[0] != version:
-            if is_lora(train_state):
-                if self._base is None:
-                    self._base = self._own_copy(train_state.policy_rest)
-                policy = nnx.merge_state(self._own_copy(train_state.params), self._base)
-            else:
-                policy = self._own_copy(train_state.params)
-            self._weights = (version, policy)
+            self._lora = is_lora(train_state)
+            if self._lora and self._base is None:
+                self._base = self._own_copy(train_state.policy_rest)
+            params = self._own_copy(train_state.params if trained is None else trained)
+            self._trained[version] = params
+            self._weights = (version, nnx.merge_state(params, self._base) if self._lora else params)
         return self._weights[1]
+
+    def _launch(self, policy, step: int, version: int) -> None:
+        self.in_flight.append((step, version, self.rollout(policy, jax.random.fold_in(self.base_key, step))))
 
     # --- the schedule -----------------------------------------------------------------------------
     def take(self, step: int, train_state) -> tuple[object, dict]:
@@ -90,9 +99,7 @@ class RolloutPipeline:
         t0 = time.time()
         rollout_idle = bool(self.in_flight) and all(_ready(traj) for _, _, traj in self.in_flight)
         while self.next_step <= min(step + self.max_staleness, self.last_step):
-            policy = self._policy(train_state, version)
-            key = jax.random.fold_in(self.base_key, self.next_step)
-            self.in_flight.append((self.next_step, version, self.rollout(policy, key)))
+            self._launch(self._policy(train_state, version), self.next_step, version)
             self.next_step += 1
         t1 = time.time()
         launched_step, sampled_by, traj = self.in_flight.popleft()
@@ -101,11 +108,40 @@ class RolloutPipeline:
                                f"{launched_step}'s; steps must be taken in order")
         traj = jax.block_until_ready(traj)
         t2 = time.time()
+        needed = {v for _, v, _ in self.in_flight} | {version}
+        self._trained = {v: p for v, p in self._trained.items() if v in needed}
         if self.own_devices:
             traj = self.trainer_placement.put_batch(traj)
         return traj, {"async/staleness": float(version - sampled_by), "async/policy_version": float(sampled_by),
                       "async/trainer_wait_s": t2 - t1, "async/launch_s": t1 - t0,
                       "async/rollout_idle": float(rollout_idle), "async/in_flight": float(len(self.in_flight))}
+
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict] | None:
+        """``(arrays, meta)`` to save with the checkpoint of the step just taken: the trained parameters
+        of every version a rollout in flight samples with (``{"v<version>": params}``) and
+        ``{"in_flight": [[step, version], ...], "next_step": ..., "max_staleness": ...}``; None when
+        nothing is in flight."""
+        if not self.in_flight:
+            return None
+        flight = [[step, version] for step, version, _ in self.in_flight]
+        arrays = {f"v{v}": self._trained[v] for v in sorted({v for _, v in flight})}
+        return arrays, {"in_flight": flight, "next_step": self.next_step, "max_staleness": self.max_staleness}
+
+    def like(self, train_state, meta: dict) -> dict:
+        """The structure ``state_dict``'s arrays restore into (``meta``: the saved one)."""
+        return {f"v{v}": train_state.params for v in sorted({v for _, v in meta["in_flight"]})}
+
+    def resume(self, arrays: dict, meta: dict, train_state) -> None:
+        """Launch again the rollouts a checkpoint had in flight, from the same parameters and keys."""
+        if int(meta["max_staleness"]) != self.max_staleness:
+            raise ValueError(f"the checkpoint's pipeline ran with max_staleness={meta['max_staleness']}, this run "
+                             f"with {self.max_staleness}")
+        for step, version in meta["in_flight"]:
+            if step <= self.last_step:
+                self._launch(self._policy(train_state, version, arrays[f"v{version}"]), step, version)
+        self.next_step = int(meta["next_step"])
 
 
 def _ready(tree) -> bool:

@@ -217,7 +217,7 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
     steps, bar = _steps(spec, start_step, show=run.placement.is_main)
     base_key = jax.random.key(spec.seed)
     # Asynchronous rollout: the next steps' batches are sampled while this one trains (training.pipeline).
-    pipeline = RolloutPipeline(run, t.max_staleness, base_key, t.total_steps) if t.max_staleness else None
+    pipeline = _start_pipeline(loop, train_state, start_step, base_key) if t.max_staleness else None
     step, stop_reason = start_step, None
     for step in steps:
         sampled, pipeline_metrics = pipeline.take(step, train_state) if pipeline is not None else (None, {})
@@ -246,13 +246,42 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
         # A stopped run always saves its last step, so a resume continues exactly where it ended.
         if step % t.save_every == 0 or step == t.total_steps or stop_reason:
             loop.ckpt.save(step, saved_part(train_state), host.meta(step))
+            if pipeline is not None and pipeline.state_dict() is not None:  # the batches in flight, for an exact resume
+                pipeline.checkpointer.save(step, *pipeline.state_dict())
         if bar is not None:
             bar.set_postfix(_progress_fields(metrics))
         if stop_reason:
             break
     if bar is not None:
         bar.close()
+    if pipeline is not None:
+        pipeline.checkpointer.close()
     return step, stop_reason
+
+
+def _start_pipeline(loop: Loop, train_state, start_step: int, base_key) -> RolloutPipeline:
+    """The asynchronous run's pipeline; a resumed run launches again what its checkpoint had in flight."""
+    t = loop.spec.trainer
+    pipeline = RolloutPipeline(loop.run, t.max_staleness, base_key, t.total_steps)
+    # Where the run keeps what it has in flight at each checkpoint, for an exact resume.
+    pipeline.checkpointer = ckpt = Checkpointer(Path(loop.spec.workdir) / "checkpoints_pipeline",
+                                                keep=t.keep_checkpoints)
+    if start_step == 0 or start_step >= t.total_steps:
+        return pipeline
+    if start_step in ckpt.all_steps():
+        try:  # the meta names the versions in flight, which give the arrays' structure
+            meta = ckpt.read_meta(start_step)
+            arrays, meta, _ = ckpt.restore(pipeline.like(train_state, meta), start_step)
+        except Exception as e:  # noqa: BLE001 - a damaged part costs only exactness, and the note says so
+            meta = {"error": f"{type(e).__name__}: {e}"}
+        if meta.get("in_flight") and meta["in_flight"][0][0] == start_step + 1:
+            pipeline.resume(arrays, meta, train_state)
+            return pipeline
+    if loop.run.placement.is_main:
+        print(f"note: checkpoint {start_step} holds no batches in flight for the asynchronous rollout; the "
+              f"pipeline starts afresh, so the next {t.max_staleness} steps train on fresher batches than an "
+              "uninterrupted run would")
+    return pipeline
 
 
 def starpo_step(run: Setup, train_state, key: jax.Array, group_size: int, seq_len_multiple: int = 0,

@@ -338,7 +338,9 @@ def test_every_policy_loss_moves_towards_positive_advantages(name):
     logp = jnp.asarray([[-1.0, -2.0], [-0.5, -1.5]])
     adv = jnp.asarray([[1.0, 1.0], [-1.0, -1.0]])  # one advantage per sequence, as GMPO assumes
     mask = jnp.ones((2, 2), bool)
-    grad = jax.grad(lambda x: losses.actor_objective(x, logp, adv, mask, policy_loss_name=name)[0])(logp)
+    # On-policy the behaviour policy is the proximal one (what a loss reading it gets from the update).
+    extra = {"behaviour_logp": logp} if losses.uses_behaviour_logp(name) else {}
+    grad = jax.grad(lambda x: losses.actor_objective(x, logp, adv, mask, policy_loss_name=name, **extra)[0])(logp)
     np.testing.assert_array_less(grad[0], 0.0)
     np.testing.assert_array_less(0.0, grad[1])
 

@@ -17,6 +17,7 @@ ap.add_argument("--rollout_devices", type=int, default=0)
 ap.add_argument("--staleness", type=int, default=0)
 ap.add_argument("--policy_loss", default="ppo")
 ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--stop_at", type=int, default=0, help="interrupt after this step (StopTraining); run again to resume")
 ap.add_argument("--workdir", required=True)
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
@@ -27,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from ragen_jax.config import resolve  # noqa: E402
 from ragen_jax.training.event_log import read_scalars  # noqa: E402
-from ragen_jax.training.trainer import train  # noqa: E402
+from ragen_jax.training.trainer import StopTraining, train  # noqa: E402
 from tests.training.test_trainer import small_config_dict  # noqa: E402
 
 c = small_config_dict(args.workdir, args.steps, **{"trainer.max_staleness": args.staleness,
@@ -37,9 +38,17 @@ c = small_config_dict(args.workdir, args.steps, **{"trainer.max_staleness": args
 c.compilation_cache_dir = os.environ.get("RAGEN_JAX_TEST_CACHE") or os.path.expanduser("~/.cache/ragen_jax/xla-tests")
 c.starpo.actor_lr = 1e-2  # the policy moves visibly in one step: stale and fresh batches differ
 c.filter.update(dict(value=1.0, include_zero=True))  # every group trains (most have no reward spread yet)
+c.warmup.update(dict(steps=0, single_turn_steps=0))  # the pipeline starts from whatever policy there is
 c.trainer.eval_every = 0
 c.trainer.eval_before_train = False
-train(resolve(c))
+
+
+def stop(step, metrics):
+    if step == args.stop_at:
+        raise StopTraining
+
+
+train(resolve(c), step_callback=stop if args.stop_at else None)
 scalars = read_scalars(os.path.join(args.workdir, "tensorboard"))
 with open(args.out, "w") as f:
     json.dump({k: {str(s): v for s, v in series} for k, series in scalars.items()}, f)

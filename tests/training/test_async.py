@@ -70,6 +70,23 @@ def test_the_rollouts_own_devices_change_nothing_but_the_timing(runs):
                                    err_msg=key)
 
 
+def test_an_interrupted_asynchronous_run_resumes_exactly(runs, tmp_path):
+    """Interrupted after step 2 (step 3's batch in flight, sampled by version 1) and resumed: the checkpoint
+    kept that batch's policy (``checkpoints_pipeline/2``), the rollout is launched again from it with the
+    same key, and every logged value equals the uninterrupted run's."""
+    flags = dict(devices=2, rollout_devices=1, staleness=1)
+    _run(tmp_path, "resumed", stop_at=2, **flags)
+    assert (tmp_path / "resumed" / "checkpoints_pipeline" / "2").is_dir()
+    resumed, straight = _run(tmp_path, "resumed", **flags), runs["own_devices"]
+    keys = sorted(k for k in straight if not k.startswith(TIMING))
+    assert set(keys) <= set(resumed)
+    for key in keys:
+        assert resumed[key].keys() == straight[key].keys(), key
+        steps = sorted(straight[key], key=int)
+        np.testing.assert_allclose([resumed[key][s] for s in steps], [straight[key][s] for s in steps], rtol=1e-6,
+                                   atol=1e-7, err_msg=key)
+
+
 def test_asynchronous_rollout_settings_are_checked():
     from configs import frozen_lake
     from ragen_jax.config import ConfigError, resolve
