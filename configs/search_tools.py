@@ -16,7 +16,7 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.workdir = "runs/search_tools"
-    c.env = base.ConfigDict(dict(name="tool_search", max_obs_tokens=1024, top_k=2, max_result_chars=600,
+    c.env = base.ConfigDict(dict(name="tool_search", split="train", max_obs_tokens=1024, top_k=2, max_result_chars=600,
                                  max_turns=3, max_tool_calls=2))
     c.rollout.update(dict(num_groups=4, group_size=4, max_turns=3, max_actions_per_turn=1, max_actions_per_traj=3,
                           max_new_tokens=128, context_mode="limited", context_window=2, max_seq_len=4096,

@@ -307,7 +307,7 @@ def test_eval_on_a_held_out_split_of_the_runs_task_is_allowed_and_said(tmp_path)
     held_out = search_tools.get_config()
     held_out.workdir, held_out.mode, held_out.env.split = str(tmp_path), "eval", "test"
     notes = check_eval_workdir(resolve(held_out))
-    assert len(notes) == 1 and "env.split: '<unset>' -> 'test'" in notes[0]
+    assert len(notes) == 1 and "env.split: 'train' -> 'test'" in notes[0]
     held_out.env.top_k = 3
     with pytest.raises(ConfigError, match=r"env\.top_k: 2 -> 3"):
         check_eval_workdir(resolve(held_out))
