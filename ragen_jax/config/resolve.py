@@ -286,8 +286,7 @@ def resolve(config: ConfigDict, *, model_files: bool = True) -> RunSpec:
         # that (the library default, the whole trajectory length, doubles the cross-scorer's cache).
         collapse = dataclasses.replace(collapse, max_reasoning_tokens=rollout.max_new_tokens)
 
-    _check_across_sections(env_name, rollout, starpo, warmup, filt)
-    _check_asynchronous(trainer, filt)
+    _check_across_sections(env_name, rollout, starpo, warmup, filt, trainer)
     return RunSpec(config=config, mode=config.mode, workdir=config.workdir, seed=int(config.seed),
                    env_name=env_name, env_kwargs=env_kwargs, env_param_kwargs=env_param_kwargs, model=model,
                    rollout=rollout, starpo=starpo, filter=filt, collapse=collapse, trainer=trainer,
@@ -326,8 +325,9 @@ def _check_asynchronous(trainer, filt) -> None:
                   f"sampled ahead; set {key}=0 or trainer.max_staleness=0")
 
 
-def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None:
-    """Constraints between sections: training temperature, batch layout, a solver for the warm-up."""
+def _check_across_sections(env_name: str, rollout, starpo, warmup, filt, trainer) -> None:
+    """Constraints between sections: training temperature, batch layout, a solver for the warm-up, what
+    the asynchronous loop runs with."""
     if rollout.temperature <= 0:
         _fail(f"rollout.temperature={rollout.temperature} would make every training rollout greedy: the "
               "episodes of a group would be identical, their rewards would have no spread and StarPO would "
@@ -359,3 +359,4 @@ def _check_across_sections(env_name: str, rollout, starpo, warmup, filt) -> None
         _fail(f"{key}={warmup.steps or warmup.single_turn_steps} but env.name={env_name!r} has no expert "
               f"solver; behaviour cloning supports {', '.join(with_experts)} (set warmup.steps=0 and "
               "warmup.single_turn_steps=0)")
+    _check_asynchronous(trainer, filt)

@@ -108,6 +108,7 @@ class HostEnv(AgentFacing):
         self.max_obs_tokens = max_obs_tokens
         self.instruction = instruction
         self.envs = [make_env() for _ in range(batch_size)]  # more are made for larger batches (evaluation)
+        self._expert_env = None  # the warm-up expert's own instance (``expert_episode``), made when first needed
         self.piece_table = "tokens"  # observations arrive as token ids: the codec's identity table
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -123,7 +124,7 @@ class HostEnv(AgentFacing):
         success)``. Played on a spare instance of the Python env, which the expert re-plans from after
         every step (closed loop, as the on-device envs' experts), stepping each answer as the rollout
         does: at most ``max_answers_per_turn`` a turn and ``max_answers`` in all, until ``done``."""
-        if getattr(self, "_expert_env", None) is None:
+        if self._expert_env is None:
             self._expert_env = self.make_env()
         env = self._expert_env
         if not callable(getattr(env, "expert", None)):

@@ -376,25 +376,12 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
             ref_logp=mb["ref_logp"] if cfg.use_kl_loss else None, kl_type=cfg.kl_type,
             kl_coef=cfg.kl_coef if cfg.use_kl_loss else 0.0,
             noise=mb.get("policy_noise"), **policy_hparams, **batch_terms, **behaviour)
-        aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
-        if cfg.use_kl_loss:
-            aux["kl_num"] = terms["kl_num"]
         if pg_den is None:
             loss = _safe_div(actor_num, den)
         else:  # rejected tokens leave the policy term's denominator (the other terms keep the mask)
             loss = _safe_div(terms["pg_num"], pg_den) + _safe_div(terms["rest_num"], den)
-        # Token-weighted sums of the per-token metrics, divided by the token count after accumulation.
-        n_tok = jnp.sum(mask.astype(jnp.float32))
-        for name in ("pg_clipfrac", "pg_clipfrac_lower"):
-            aux[name] = terms[name] * n_tok
-        n_kl = terms.get("kept_count", n_tok)  # ppo_kl is over the tokens the policy term keeps
-        aux["ppo_kl"] = terms["ppo_kl"] * n_kl
-        aux["n_kl_tokens"] = n_kl
-        aux["n_tokens"] = n_tok
-        if uses_behaviour:  # the decoupled objective's weights pi_prox / pi_behav
-            aux["behaviour_weight_sum"] = terms["behaviour_weight_mean"] * n_tok
-            aux["behaviour_capped"] = terms["behaviour_capped"] * n_tok
-            aux["behaviour_weight_max"] = terms["behaviour_weight_max"]
+        aux = _actor_sums(terms, mask, cfg.use_kl_loss, uses_behaviour)
+        n_tok = aux["n_tokens"]
         if single_pass:
             diff = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp) - mb["sampler_logp"]), 0.0)
             aux["sampler_diff_sum"], aux["sampler_diff_max"] = jnp.sum(diff), jnp.max(diff)
@@ -410,6 +397,26 @@ def make_loss_fn(graphdefs: Graphdefs, cfg, shared_prefix_len: int = 0, single_p
         return loss, aux
 
     return micro_loss, critic_values
+
+
+def _actor_sums(terms: dict, mask, use_kl_loss: bool, uses_behaviour: bool) -> dict:
+    """A micro-batch's actor terms as sums that accumulate over micro-batches: the numerators, and the
+    per-token metrics weighted by their token counts (divided by the counts after accumulation)."""
+    aux = {"pg_num": terms["pg_num"], "entropy_num": terms["entropy_num"]}
+    if use_kl_loss:
+        aux["kl_num"] = terms["kl_num"]
+    n_tok = jnp.sum(mask.astype(jnp.float32))
+    for name in ("pg_clipfrac", "pg_clipfrac_lower"):
+        aux[name] = terms[name] * n_tok
+    n_kl = terms.get("kept_count", n_tok)  # ppo_kl is over the tokens the policy term keeps
+    aux["ppo_kl"] = terms["ppo_kl"] * n_kl
+    aux["n_kl_tokens"] = n_kl
+    aux["n_tokens"] = n_tok
+    if uses_behaviour:  # the decoupled objective's weights pi_prox / pi_behav
+        aux["behaviour_weight_sum"] = terms["behaviour_weight_mean"] * n_tok
+        aux["behaviour_capped"] = terms["behaviour_capped"] * n_tok
+        aux["behaviour_weight_max"] = terms["behaviour_weight_max"]  # a maximum: accumulated as one
+    return aux
 
 
 def is_single_pass(cfg, filter_cfg, num_mini: int, per_turn: bool) -> bool:

@@ -21,8 +21,9 @@ decoupled objective, the rollout's own log-probs as the behaviour policy's) or
 
 Metrics (``async/*``): ``staleness`` (versions between sampling and training), ``policy_version``
 (the version that sampled the batch), ``trainer_wait_s`` (the time the update waited for its batch),
-``launch_s`` (host time to copy weights and dispatch rollouts), ``rollout_idle`` (1 when the rollout devices had finished every launched rollout
-before the next was launched: they idled in between), ``in_flight``.
+``launch_s`` (host time to copy weights and dispatch rollouts), ``rollout_idle`` (1 when the rollout
+devices had finished every launched rollout before the next was launched: they idled in between),
+``in_flight``.
 
 Exact resume: with every checkpoint the pipeline saves what it has in flight — the steps, the policy
 version that samples each, and those versions' trained parameters (``state_dict``; a LoRA run's
@@ -46,7 +47,7 @@ from ragen_jax.starpo.train_state import is_lora
 class RolloutPipeline:
     """The rollouts in flight of an asynchronous run (see the module docstring)."""
 
-    def __init__(self, run, max_staleness: int, base_key: jax.Array, last_step: int):
+    def __init__(self, run, max_staleness: int, base_key: jax.Array, last_step: int, checkpointer=None):
         if max_staleness < 1:
             raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
         self.rollout = run.rollout_on_own_devices or run.rollout
@@ -59,9 +60,8 @@ class RolloutPipeline:
         self._weights: tuple[int, object] | None = None  # (version, the policy on the rollout's devices)
         self._trained: dict[int, object] = {}  # version -> its trained parameters, while a rollout of it is in flight
         self._base = None  # a LoRA run's frozen base, copied once
-        self._lora = False
-        self._copy = None
-        self.checkpointer = None  # the trainer's, for ``state_dict`` (``checkpoints_pipeline/``)
+        self._copies: dict = {}  # tree structure -> its jitted copy (colocated)
+        self.checkpointer = checkpointer  # where ``state_dict`` is saved (the trainer's ``checkpoints_pipeline/``)
 
     # --- weight sync --------------------------------------------------------------------------------
     def _own_copy(self, tree):
@@ -69,20 +69,21 @@ class RolloutPipeline:
         shardings = self.placement.state_shardings(tree)
         if self.own_devices:  # another device set: the transfer is the copy
             return jax.device_put(tree, shardings)
-        if self._copy is None:
-            self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
-        return self._copy(tree)
+        structure = jax.tree.structure(tree)  # the base and the trained part are different trees
+        if structure not in self._copies:
+            self._copies[structure] = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
+        return self._copies[structure](tree)
 
     def _policy(self, train_state, version: int, trained=None):
         """The policy of ``version`` on the rollout's devices (copied once per version); ``trained``: that
         version's trained parameters when they are not ``train_state``'s (a resume's)."""
         if self._weights is None or self._weights[0] != version:
-            self._lora = is_lora(train_state)
-            if self._lora and self._base is None:
+            lora = is_lora(train_state)
+            if lora and self._base is None:
                 self._base = self._own_copy(train_state.policy_rest)
             params = self._own_copy(train_state.params if trained is None else trained)
             self._trained[version] = params
-            self._weights = (version, nnx.merge_state(params, self._base) if self._lora else params)
+            self._weights = (version, nnx.merge_state(params, self._base) if lora else params)
         return self._weights[1]
 
     def _launch(self, policy, step: int, version: int) -> None:
@@ -115,7 +116,6 @@ class RolloutPipeline:
         return traj, {"async/staleness": float(version - sampled_by), "async/policy_version": float(sampled_by),
                       "async/trainer_wait_s": t2 - t1, "async/launch_s": t1 - t0,
                       "async/rollout_idle": float(rollout_idle), "async/in_flight": float(len(self.in_flight))}
-
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict] | None:

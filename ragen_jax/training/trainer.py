@@ -246,8 +246,9 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
         # A stopped run always saves its last step, so a resume continues exactly where it ended.
         if step % t.save_every == 0 or step == t.total_steps or stop_reason:
             loop.ckpt.save(step, saved_part(train_state), host.meta(step))
-            if pipeline is not None and pipeline.state_dict() is not None:  # the batches in flight, for an exact resume
-                pipeline.checkpointer.save(step, *pipeline.state_dict())
+            in_flight = pipeline.state_dict() if pipeline is not None else None
+            if in_flight is not None:  # the batches in flight, for an exact resume
+                pipeline.checkpointer.save(step, *in_flight)
         if bar is not None:
             bar.set_postfix(_progress_fields(metrics))
         if stop_reason:
@@ -262,10 +263,9 @@ def _run_steps(loop: Loop, train_state, start_step: int) -> tuple[int, str | Non
 def _start_pipeline(loop: Loop, train_state, start_step: int, base_key) -> RolloutPipeline:
     """The asynchronous run's pipeline; a resumed run launches again what its checkpoint had in flight."""
     t = loop.spec.trainer
-    pipeline = RolloutPipeline(loop.run, t.max_staleness, base_key, t.total_steps)
     # Where the run keeps what it has in flight at each checkpoint, for an exact resume.
-    pipeline.checkpointer = ckpt = Checkpointer(Path(loop.spec.workdir) / "checkpoints_pipeline",
-                                                keep=t.keep_checkpoints)
+    ckpt = Checkpointer(Path(loop.spec.workdir) / "checkpoints_pipeline", keep=t.keep_checkpoints)
+    pipeline = RolloutPipeline(loop.run, t.max_staleness, base_key, t.total_steps, checkpointer=ckpt)
     if start_step == 0 or start_step >= t.total_steps:
         return pipeline
     if start_step in ckpt.all_steps():

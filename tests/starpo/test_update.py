@@ -166,13 +166,20 @@ def test_training_raises_probability_of_rewarded_tokens(shared):
     assert len(shared["traces"]) == 1
 
 
+def exact_logprobs(gd, state, tokens):
+    """``[B, L]`` log-probs of ``tokens`` under the state's policy (column t: token t given the ones
+    before it; 0 in column 0), from a plain forward: what a sampler in exact agreement recorded."""
+    policy = nnx.merge(gd.policy, state.params, state.rest[0])
+    logits, _ = jax.jit(lambda t: policy(t, positions_for(t)))(tokens)
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    at_tokens = jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
+    return jnp.concatenate([jnp.zeros((tokens.shape[0], 1)), at_tokens], 1)
+
+
 def test_sampler_logprob_agreement_metric(shared):
     update, state, gd = shared["update"], shared["state"], shared["graphdefs"]
-    policy = nnx.merge(gd.policy, state.params, state.rest[0])
     traj = random_traj(30)
-    logits, _ = jax.jit(lambda t: policy(t, positions_for(t)))(traj.tokens)
-    lp = jax.nn.log_softmax(logits[:, :-1], -1)
-    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    exact = exact_logprobs(gd, state, traj.tokens)
     _, m = update(state, traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact, 0.0)))
     assert float(m["actor/sampler_logprob_abs_diff_max"]) < 1e-5
     _, m = update(state, traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact - 0.5, 0.0)))
@@ -412,10 +419,7 @@ def test_single_pass_update_equals_the_two_pass_update():
     traj = random_traj(52)
     gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), StarPOConfig(**LINEAR_FIRST_STEP),
                                    key=jax.random.key(0))
-    policy = nnx.merge(gd.policy, state.params, state.rest[0])
-    logits, _ = policy(traj.tokens, positions_for(traj.tokens))
-    lp = jax.nn.log_softmax(logits[:, :-1], -1)
-    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    exact = exact_logprobs(gd, state, traj.tokens)
     shift = jnp.full((BATCH, 1), 0.1).at[5].set(0.7)
     traj = traj.replace(sampler_logprobs=jnp.where(traj.loss_mask, exact - shift, 0.0))
 
@@ -665,10 +669,7 @@ def test_decoupled_ppo_update_weighs_tokens_by_proximal_over_behaviour():
     traj = random_traj(53)
     gd, state = U.init_train_state(Decoder(MODEL_CFG, rngs=nnx.Rngs(0)), StarPOConfig(**LINEAR_FIRST_STEP),
                                    key=jax.random.key(0))
-    policy = nnx.merge(gd.policy, state.params, state.rest[0])
-    logits, _ = policy(traj.tokens, positions_for(traj.tokens))
-    lp = jax.nn.log_softmax(logits[:, :-1], -1)
-    exact = jnp.concatenate([jnp.zeros((BATCH, 1)), jnp.take_along_axis(lp, traj.tokens[:, 1:, None], -1)[..., 0]], 1)
+    exact = exact_logprobs(gd, state, traj.tokens)
     filt, diag = FilterConfig(), CollapseConfig(first_turn_enabled=False, trajectory_enabled=False)
 
     def first_step(policy_loss, shift):

@@ -87,6 +87,24 @@ def test_an_interrupted_asynchronous_run_resumes_exactly(runs, tmp_path):
                                    atol=1e-7, err_msg=key)
 
 
+def test_a_lora_run_pipelines_its_adapters(tmp_path):
+    """A LoRA policy, colocated: the pipeline copies the frozen base once and the adapters each version
+    (two different trees). Three steps run and train each batch one version late. Seeded: deterministic."""
+    from ragen_jax.config import resolve
+    from ragen_jax.training.event_log import read_scalars
+    from ragen_jax.training.trainer import train
+    from tests.training.test_trainer import small_config_dict
+
+    c = small_config_dict(tmp_path, 3, **{"trainer.max_staleness": 1, "starpo.policy_loss": "decoupled_ppo"})
+    c.model.lora_rank = 4
+    c.warmup.update(dict(steps=0, single_turn_steps=0))
+    c.trainer.update(dict(eval_every=0, eval_before_train=False))
+    c.filter.update(dict(value=1.0, include_zero=True))
+    train(resolve(c))
+    staleness = read_scalars(tmp_path / "tensorboard")["async/staleness"]
+    assert [v for _, v in sorted(staleness)] == [0.0, 1.0, 1.0]
+
+
 def test_asynchronous_rollout_settings_are_checked():
     from configs import frozen_lake
     from ragen_jax.config import ConfigError, resolve
