@@ -200,8 +200,32 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
     transport); GPUs and TPUs use their own, and the setting does not touch them.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = cross_host_transfer_address(coordinator_address, process_id)
+    if address:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id)
+
+
+def cross_host_transfer_address(coordinator_address=None, process_id=None) -> str | None:
+    """The socket this process receives arrays on from other processes (``placement.send``: the
+    asynchronous rollout on processes of its own), on CPU-only installs, where XLA's client has no
+    cross-host transfers of its own: the coordinator's host when it is this machine (127.0.0.1),
+    else this host's address, and the port after the coordinator's plus the process index. GPUs and
+    TPUs transfer over their own interconnect: None. ``RAGEN_JAX_TRANSFER_ADDRESS`` (host:port) overrides."""
+    if os.environ.get("RAGEN_JAX_TRANSFER_ADDRESS"):
+        return os.environ["RAGEN_JAX_TRANSFER_ADDRESS"]
+    accelerators = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "libtpu")
+    on_cpu = os.environ.get("JAX_PLATFORMS", "").lower() == "cpu" or not any(
+        importlib.util.find_spec(name) for name in accelerators)
+    if not on_cpu or not coordinator_address or process_id is None:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    if host not in ("127.0.0.1", "localhost"):
+        import socket
+
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{int(port) + 1 + int(process_id)}"
 
 
 def _quiet_host_env_callback_log() -> None:

@@ -13,6 +13,12 @@ With one process every operation is the plain single-controller one (``jax.devic
 ``jax.device_get``). With several, every process runs the same program on its own share of each
 array (SPMD); what one process alone must do (write TensorBoard, move a workdir aside) is guarded by
 ``is_main`` and followed by ``sync``.
+
+Two meshes on disjoint processes (the asynchronous rollout on processes of its own,
+``mesh.rollout_devices``): every process still runs every program, and one whose devices are all on
+other processes is a no-op there that returns arrays without local shards. Arrays cross between the
+two with ``send`` (a cross-host device-to-device transfer, no host round trip); a placement whose
+``peer`` is the other mesh's devices ``fetch``es its arrays on every process by sending them over.
 """
 from __future__ import annotations
 
@@ -39,6 +45,9 @@ class Placement:
         self.mesh = mesh
         self.rules = tuple(rules)
         self.replicated = NamedSharding(mesh, P())
+        # The devices of the other mesh when the two live on disjoint processes (``send``): what this
+        # placement's ``fetch`` sends its arrays to, so that those processes read them too.
+        self.peer: np.ndarray | None = None
 
     @classmethod
     def from_shape(cls, data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> "Placement":
@@ -155,7 +164,7 @@ class Placement:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard
             return jax.jit(lambda a: a, out_shardings=sharding)(x)
         host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
     def fetch(self, tree):
         """NumPy copies of every array (PRNG keys: local key arrays), on every process (a collective
@@ -167,12 +176,85 @@ class Placement:
             return x
         if _is_key(x):  # a key stays a key (on this process's default device)
             return jax.random.wrap_key_data(self._fetch_one(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        if self.peer is not None and x.sharding.device_set == self._devices:  # not on the peer's processes
+            return self._fetch_across(x)
         if x.is_fully_addressable:
             return np.asarray(jax.device_get(x))
         if x.sharding.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    def take_from_peer(self, tree, shardings):
+        """``tree``, global arrays on the peer mesh (``peer``: disjoint processes), as arrays with
+        ``shardings`` (a matching pytree) on this mesh: ``send`` leaf by leaf (PRNG keys too). Every
+        process calls it, in the same order."""
+        def one(x, sharding):
+            if _is_key(x):
+                data = send(jax.random.key_data(x), sharding)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return send(x, sharding)
+
+        return jax.tree.map(one, tree, shardings)
+
+    # Checkpoints of a run on two disjoint process sets: orbax writes arrays that span every process.
+    def _spanning_sharding(self, sharding: NamedSharding) -> NamedSharding:
+        """``sharding`` (on this mesh or the peer's) over both meshes: a leading ``side`` axis, the
+        array whole on each side (its own side first), laid out there as ``sharding`` lays it."""
+        other = self.peer if sharding.device_set == self._devices else self.mesh.devices
+        there = _on_devices(sharding, other).mesh.devices
+        mesh = Mesh(np.stack([sharding.mesh.devices, there]), ("side",) + tuple(sharding.mesh.axis_names))
+        return NamedSharding(mesh, sharding.spec)
+
+    def _spans(self, x) -> bool:
+        return (self.peer is not None and isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                and x.sharding.device_set in (self._devices, set(np.asarray(self.peer).flat)))
+
+    def spanning(self, tree):
+        """Every array of ``tree`` on one side, as an array over both (``_spanning_sharding``), so that
+        a checkpoint of a two-sided run is a multi-process one orbax writes; no-op without a peer."""
+        def one(x):
+            if not self._spans(x):
+                return x
+            copy = send(x, _on_devices(x.sharding, self.peer if x.sharding.device_set == self._devices
+                                       else self.mesh.devices))
+            local = [s.data for a in (x, copy) for s in a.addressable_shards]
+            return jax.make_array_from_single_device_arrays(x.shape, self._spanning_sharding(x.sharding), local,
+                                                            dtype=x.dtype)
+
+        return jax.tree.map(one, tree)
+
+    def spanning_target(self, abstract):
+        """``ShapeDtypeStruct``s of arrays on one side as ``spanning`` saves them (orbax restores into it)."""
+        def one(a):
+            if self.peer is None or not isinstance(getattr(a, "sharding", None), NamedSharding):
+                return a
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._spanning_sharding(a.sharding))
+
+        return jax.tree.map(one, abstract)
+
+    def one_side(self, tree, like):
+        """Arrays restored over both sides (``spanning_target``) back on ``like``'s side alone."""
+        def one(x, target):
+            if self.peer is None or not isinstance(getattr(target, "sharding", None), NamedSharding):
+                return x
+            mine = target.sharding.device_set
+            local = [s.data for s in x.addressable_shards if s.device in mine]
+            return jax.make_array_from_single_device_arrays(x.shape, target.sharding, local, dtype=x.dtype)
+
+        return jax.tree.map(one, tree, like)
+
+    @property
+    def _devices(self) -> set:
+        return set(self.mesh.devices.flat)
+
+    def _fetch_across(self, x):
+        """``x`` (on this mesh's processes) as NumPy on every process: replicated on this mesh, sent to
+        the peer's devices, and read where each process holds a copy (a collective of every process)."""
+        whole = x if x.sharding == self.replicated else jax.jit(lambda a: a, out_shardings=self.replicated)(x)
+        there = send(whole, _on_devices(whole.sharding, self.peer))
+        local = whole if jax.process_index() in _processes(whole.sharding) else there
+        return np.asarray(local.addressable_data(0))
 
     # ------------------------------------------------------------------------------------------
     # Processes
@@ -200,6 +282,35 @@ class Placement:
 
         traced.__name__ = getattr(fn, "__name__", "fn")
         return jax.jit(traced, **kwargs)
+
+
+def _processes(sharding) -> frozenset:
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+def _on_devices(sharding: NamedSharding, devices: np.ndarray) -> NamedSharding:
+    """``sharding``'s layout (mesh shape, axis names, spec) over ``devices`` (as many as its mesh has)."""
+    mesh = sharding.mesh
+    if np.size(devices) != mesh.size:
+        raise ValueError(f"cannot lay a {mesh.size}-device mesh's array over {np.size(devices)} devices: the two "
+                         "meshes of a run on disjoint processes need the same number of devices")
+    return NamedSharding(Mesh(np.asarray(devices).reshape(mesh.devices.shape), mesh.axis_names), sharding.spec)
+
+
+def send(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` with ``sharding``, whose devices are on processes that hold none of ``x``'s.
+
+    A cross-host transfer (JAX's ``device_put`` between process sets: NCCL/ICI on GPUs and TPUs, the
+    DCN socket of ``jax_cross_host_transfer_socket_address`` on CPUs) moves each shard to the device
+    of the same place in the other mesh, keeping ``x``'s layout; the destination's processes then
+    lay it out as ``sharding`` asks (a program on their devices). Every process calls it, in the
+    same order; the two meshes have the same number of devices.
+    """
+    if not isinstance(x.sharding, NamedSharding):
+        raise TypeError(f"send needs an array laid out on a mesh (a NamedSharding), got {x.sharding}")
+    hop = _on_devices(x.sharding, sharding.mesh.devices)
+    y = jax.device_put(x, hop)
+    return y if hop == sharding else jax.jit(lambda a: a, out_shardings=sharding)(y)
 
 
 def single_device() -> Placement:

@@ -145,15 +145,20 @@ class Checkpointer:
       keep: number of most recent checkpoints to keep (older ones are deleted after a save).
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, placement=None):
+        # A run on two disjoint process sets (``placement.peer``) saves its arrays spanning both.
+        self.placement = placement if placement is not None and placement.peer is not None else None
         self.directory = Path(directory).resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             # Asynchronous: a save returns once the arrays are copied off the devices, and the files
             # are written while training goes on (the next save, a restore or close waits for it).
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                                 create=True),
+            # Processes meet at barriers named by step; the folder's name keeps two managers saving the
+            # same step (the train state and the asynchronous rollout's batches in flight) apart.
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
+                                                 multiprocessing_options=ocp.options.MultiprocessingOptions(
+                                                     barrier_sync_key_prefix=self.directory.name)),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
@@ -167,7 +172,8 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write ``state`` (array pytree) and ``meta`` (JSON-able dict) as checkpoint ``step``."""
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_encode(state)),
+        state = _encode(state) if self.placement is None else self.placement.spanning(_encode(state))
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(_jsonable(meta))))
 
     def wait(self) -> None:
@@ -212,8 +218,13 @@ class Checkpointer:
 
     def _read(self, like: Any, step: int):
         self.wait()
-        return self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+        if self.placement is None:
+            return self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+        target = _abstract(like)
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(self.placement.spanning_target(target)), meta=ocp.args.JsonRestore()))
+        return {"state": self.placement.one_side(out["state"], target), "meta": out["meta"]}
 
     def restore_latest_intact(self, like: Any, set_aside: bool = True) -> tuple[Any, dict, int, list[tuple[int, str]]]:
         """Restore the newest checkpoint that reads back whole; returns ``(state, meta, step, skipped)``.

@@ -10,7 +10,9 @@ version samples which step, with which key — does not depend on timing, so a r
 
 Where the two run: with ``mesh.rollout_devices = k`` the last k devices hold a copy of the policy and
 run only the rollout, the others the update, so rollout and update overlap; JAX dispatches both
-programs without waiting. Colocated (``k = 0``) they queue on the same devices: the schedule and the
+programs without waiting. In a multi-process run the k devices are the last processes' (half the
+devices): every process runs the same loop, each program runs where its devices are, and weights and
+batches cross between the two halves by cross-host transfers (``placement.send``). Colocated (``k = 0``) they queue on the same devices: the schedule and the
 numbers are the same, without the overlap. Weight sync: after each update the trained parameters
 are copied to the rollout's devices (a LoRA run copies its adapters; the frozen base once), into
 buffers the pipeline owns, since the update donates the train state's.
@@ -68,6 +70,8 @@ class RolloutPipeline:
         """``tree`` in fresh buffers laid out for the rollout (the update donates the train state's)."""
         shardings = self.placement.state_shardings(tree)
         if self.own_devices:  # another device set: the transfer is the copy
+            if self.placement.peer is not None:  # on other processes: a cross-host transfer
+                return self.placement.take_from_peer(tree, shardings)
             return jax.device_put(tree, shardings)
         structure = jax.tree.structure(tree)  # the base and the trained part are different trees
         if structure not in self._copies:
@@ -111,7 +115,9 @@ class RolloutPipeline:
         t2 = time.time()
         needed = {v for _, v, _ in self.in_flight} | {version}
         self._trained = {v: p for v, p in self._trained.items() if v in needed}
-        if self.own_devices:
+        if self.trainer_placement.peer is not None:  # the rollout ran on other processes
+            traj = self.trainer_placement.take_from_peer(traj, self.trainer_placement.batch_shardings(traj))
+        elif self.own_devices:
             traj = self.trainer_placement.put_batch(traj)
         return traj, {"async/staleness": float(version - sampled_by), "async/policy_version": float(sampled_by),
                       "async/trainer_wait_s": t2 - t1, "async/launch_s": t1 - t0,

@@ -60,14 +60,20 @@ def _split_devices(spec: RunSpec) -> tuple[list, list]:
     devices, k = jax.devices(), int(spec.mesh.rollout_devices)
     if not k:
         return devices, []
-    if jax.process_count() > 1:
-        raise ConfigError(f"mesh.rollout_devices={k} runs in one process for now; this run has "
-                          f"{jax.process_count()} (set mesh.rollout_devices=0)")
     if k >= len(devices):
         raise ConfigError(f"mesh.rollout_devices={k} leaves none of the {len(devices)} devices to the update; "
                           "give the rollout fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
                           "makes N devices)")
-    return devices[: len(devices) - k], devices[len(devices) - k:]
+    update, rollout = devices[: len(devices) - k], devices[len(devices) - k:]
+    if jax.process_count() > 1:  # the two sides on disjoint processes, their arrays sent across (placement.send)
+        mixed = {d.process_index for d in update} & {d.process_index for d in rollout}
+        if mixed or len(update) != len(rollout):
+            raise ConfigError(
+                f"mesh.rollout_devices={k} over {jax.process_count()} processes of {jax.local_device_count()} devices "
+                f"each: in a multi-process run the rollout takes the last processes whole and as many devices as the "
+                f"update keeps (half of the {len(devices)}), so set mesh.rollout_devices={len(devices) // 2}"
+                + ("" if jax.process_count() % 2 == 0 else " with an even number of processes"))
+    return update, rollout
 
 
 def make_placement(spec: RunSpec):
@@ -160,6 +166,8 @@ def setup(spec: RunSpec, placement=None) -> Setup:
                                           shared_prefix_len=len(rollout.codec.preamble_ids),
                                           per_turn_rows=rollout.per_turn_rows, placement=placement)
     own = rollout_placement(spec)
+    if own is not None and placement.num_processes > 1:  # on disjoint processes: each fetches through the other
+        own.peer, placement.peer = placement.mesh.devices, own.mesh.devices
     rollout_on_own_devices = None if own is None else make_rollout(graphdefs.policy, env, train_env_params, tokenizer,
                                                                    spec.rollout, placement=own)
     return Setup(tokenizer, model_cfg, env, env_params, graphdefs, train_state, rollout, update_on_rows(None),

@@ -169,7 +169,7 @@ def _train(spec: RunSpec, placement, clock, step_callback) -> dict[str, Any]:
     if placement.num_processes > 1 and main:
         print(f"training on {placement.describe}")
     evaluator = _make_evaluator(spec, run)
-    ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints)
+    ckpt = Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints, placement=placement)
     transcripts = workdir / "eval" / "transcripts.jsonl" if spec.eval.write_transcripts and main else None
 
     if resume:
@@ -264,7 +264,8 @@ def _start_pipeline(loop: Loop, train_state, start_step: int, base_key) -> Rollo
     """The asynchronous run's pipeline; a resumed run launches again what its checkpoint had in flight."""
     t = loop.spec.trainer
     # Where the run keeps what it has in flight at each checkpoint, for an exact resume.
-    ckpt = Checkpointer(Path(loop.spec.workdir) / "checkpoints_pipeline", keep=t.keep_checkpoints)
+    ckpt = Checkpointer(Path(loop.spec.workdir) / "checkpoints_pipeline", keep=t.keep_checkpoints,
+                        placement=loop.run.placement)
     pipeline = RolloutPipeline(loop.run, t.max_staleness, base_key, t.total_steps, checkpointer=ckpt)
     if start_step == 0 or start_step >= t.total_steps:
         return pipeline

@@ -5,6 +5,7 @@ the trainer tests' small FrozenLake config with AReaL's decoupled objective, see
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,55 @@ def _run(tmp_path, name, **flags):
     done = subprocess.run(args, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _free_ports(n: int) -> int:
+    """A port such that it and the next ``n - 1`` are free (the coordinator's, then each process's
+    cross-host transfer socket: ``launch.cross_host_transfer_address``)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
+def _run_two_processes(tmp_path, name, **flags):
+    """Process 0 trains, process 1 runs the rollout (``mesh.rollout_devices=1``, one device each), on
+    127.0.0.1; process 0's logged scalars."""
+    port = _free_ports(3)
+    out = tmp_path / f"{name}.json"
+    procs = []
+    for pid in (0, 1):
+        args = [sys.executable, str(CHECK), "--workdir", str(tmp_path / name), "--policy_loss", "decoupled_ppo",
+                "--devices", "1", "--rollout_devices", "1", "--coordinator", f"127.0.0.1:{port}",
+                "--num_processes", "2", "--process_id", str(pid)] + (["--out", str(out)] if pid == 0 else [])
+        for k, v in flags.items():
+            args += [f"--{k}", str(v)]
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ)))
+    for p in procs:
+        o, e = p.communicate(timeout=900)
+        assert p.returncode == 0, f"process failed\nstdout:\n{o[-2000:]}\nstderr:\n{e[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def _assert_same_logs(a, b, what, rtol=1e-5, atol=1e-6):
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(TIMING))
+    assert set(a) == set(b), f"{what}: {sorted(set(a) ^ set(b))}"
+    for key in keys:
+        assert a[key].keys() == b[key].keys(), key
+        steps = sorted(a[key], key=int)
+        np.testing.assert_allclose([a[key][s] for s in steps], [b[key][s] for s in steps], rtol=rtol, atol=atol,
+                                   err_msg=f"{what}: {key}")
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +171,23 @@ def test_asynchronous_rollout_settings_are_checked():
     c.mesh.rollout_devices = -2
     with pytest.raises((ValueError, ConfigError), match="rollout_devices"):
         resolve(c)
+
+
+def test_the_rollout_on_a_process_of_its_own_logs_what_one_process_logs(runs, tmp_path):
+    """Two processes (jax.distributed on 127.0.0.1, one CPU device each): process 1 holds the rollout's
+    mesh, process 0 the update's; weights and batches cross by cross-host device transfers
+    (``placement.send``) and every host read is sent over (``Placement.fetch`` with a ``peer``). Every
+    logged value but the timings equals the one-process run with the rollout on its own device."""
+    _assert_same_logs(_run_two_processes(tmp_path, "two_processes", staleness=1), runs["own_devices"],
+                      "2 processes vs 1 process with 2 devices")
+
+
+@pytest.mark.slow
+def test_a_two_process_asynchronous_run_resumes_exactly(runs, tmp_path):
+    """Interrupted after step 2 and resumed, both on two processes: the checkpoints were written spanning
+    both processes' devices (``Placement.spanning``: orbax writes multi-process arrays) and restored onto
+    each side; the run logs what the uninterrupted one-process run logs."""
+    _run_two_processes(tmp_path, "resumed", staleness=1, stop_at=2)
+    assert (tmp_path / "resumed" / "checkpoints_pipeline" / "2").is_dir()
+    _assert_same_logs(_run_two_processes(tmp_path, "resumed", staleness=1), runs["own_devices"],
+                      "resumed on 2 processes vs straight", rtol=1e-6, atol=1e-7)
