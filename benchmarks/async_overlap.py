@@ -18,10 +18,20 @@ host environment whose every step waits 50 ms, as a retrieval server would). No 
 group trains (the filter keeps all). Steps per second are over the steps after the first
 ``--skip`` (which compile). The ratio is async / synchronous, from one invocation; timings are only
 meaningful alone on the cores. Results: ``benchmarks/results_async_overlap.md``.
+
+On a GPU or TPU node (``--accelerator``): the devices are the machine's own. The synchronous loop runs
+both phases on all n devices (data parallel), the asynchronous one gives the rollout the last n / 2
+(``mesh.rollout_devices``) and the update the rest; it needs n >= 2 and a batch the halves divide.
+``--set key=value`` (repeatable) overrides the case's config, e.g. a real model:
+
+    python benchmarks/async_overlap.py --accelerator --cases sokoban --steps 20 \
+        --set model.preset=qwen2.5-0.5b --set model.path=/models/Qwen2.5-0.5B-Instruct \
+        --set rollout.num_groups=16 --set rollout.group_size=8 --out benchmarks/results_async_overlap_gpu.md
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -37,7 +47,7 @@ LOOPS = {"synchronous": dict(devices=1, rollout_devices=0, staleness=0, policy_l
 STEP_LATENCY_S = 0.05
 
 
-def _config(case: str, workdir: str, steps: int, loop: dict):
+def _config(case: str, workdir: str, steps: int, loop: dict, overrides=()):
     from ragen_jax.config import resolve
 
     if case == "sokoban":
@@ -69,14 +79,35 @@ def _config(case: str, workdir: str, steps: int, loop: dict):
     c.mesh.rollout_devices = loop["rollout_devices"]
     c.starpo.policy_loss = loop["policy_loss"]
     c.compilation_cache_dir = ""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, name = key.rpartition(".")
+        target = c
+        for part in section.split(".") if section else ():
+            target = target[part]
+        try:  # a Python literal where it parses (numbers, booleans), else the string
+            target[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            target[name] = value
     return resolve(c)
 
 
-def worker(case: str, loop_name: str, steps: int, skip: int, out: str) -> None:
-    loop = LOOPS[loop_name]
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={loop['devices']}"
+def worker(case: str, loop_name: str, steps: int, skip: int, out: str, accelerator: bool = False,
+           overrides=()) -> None:
+    loop = dict(LOOPS[loop_name])
+    if not accelerator:  # two CPU devices, one per core
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={loop['devices']}"
     sys.path.insert(0, ROOT)
+    import jax
+
     from ragen_jax.training.trainer import train
+    if accelerator and loop["rollout_devices"]:
+        n = jax.device_count()
+        if n < 2:
+            with open(out, "w") as f:
+                json.dump({"skipped": f"{n} {jax.devices()[0].platform} device: the rollout needs devices of its own"}, f)
+            return
+        loop["rollout_devices"] = n // 2
 
     stamps, waits = [], []
 
@@ -85,7 +116,7 @@ def worker(case: str, loop_name: str, steps: int, skip: int, out: str) -> None:
         waits.append(metrics.get("async/trainer_wait_s", metrics.get("timing_s/rollout", 0.0)))
 
     with tempfile.TemporaryDirectory() as workdir:
-        train(_config(case, workdir, steps, loop), step_callback=on_step)
+        train(_config(case, workdir, steps, loop, overrides), step_callback=on_step)
     timed = stamps[skip:]
     per_step = (timed[-1] - timed[0]) / (len(timed) - 1)
     with open(out, "w") as f:
@@ -99,23 +130,29 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the timing (they compile)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results_async_overlap.md"))
+    ap.add_argument("--accelerator", action="store_true", help="the machine's GPUs/TPUs: half of them sample")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     ap.add_argument("--worker", nargs=4, metavar=("CASE", "LOOP", "OUT", "_"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         case, loop_name, out, _ = args.worker
-        return worker(case, loop_name, args.steps, args.skip, out)
+        return worker(case, loop_name, args.steps, args.skip, out, args.accelerator, args.set)
     rows = []
     for case in args.cases.split(","):
         results = {}
         for loop_name in LOOPS:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                extra = (["--accelerator"] if args.accelerator else []) + [f"--set={o}" for o in args.set]
                 subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--skip", str(args.skip),
-                                "--worker", case, loop_name, tmp.name, "-"], check=True)
+                                *extra, "--worker", case, loop_name, tmp.name, "-"], check=True)
                 with open(tmp.name) as f:
                     results[loop_name] = json.load(f)
             print(case, loop_name, results[loop_name], flush=True)
         base = results["synchronous"]["steps_per_s"]
         for loop_name, r in results.items():
+            if "skipped" in r:
+                rows.append(f"| {case} | {loop_name} | skipped: {r['skipped']} | | | |")
+                continue
             rows.append(f"| {case} | {loop_name} | {r['s_per_step']:.2f} | {r['steps_per_s']:.3f} | "
                         f"{r['wait_s']:.2f} | {r['steps_per_s'] / base:.2f}× |")
     table = "\n".join(["| case | loop | s / step | steps / s | update waited for its batch, s / step | vs synchronous |",
