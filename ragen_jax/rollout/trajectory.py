@@ -78,6 +78,9 @@ class Trajectory:
     # bool [B, T] the turn's reasoning opens with the exact description of the state it answered
     # (``AgentFacing.describes_state``); None for an environment without a description.
     turn_describes_state: chex.Array | None = None
+    # int32 [B, T] the policy version that sampled each turn (-1: no turn), set by the asynchronous
+    # rollout (``training.pipeline``); None in the synchronous loop, where the policy being trained did.
+    turn_policy_version: chex.Array | None = None
 
     @property
     def batch_size(self) -> int:

@@ -50,6 +50,9 @@ def rollout_metrics(traj: Trajectory, group_size: int) -> dict[str, jax.Array]:
     }
     if traj.turn_describes_state is not None:
         metrics.update(describes_state_rates(traj.turn_describes_state, traj.turn_mask))
+    if traj.turn_policy_version is not None:  # the asynchronous rollout: the oldest policy among the turns
+        versions = jnp.where(traj.turn_mask, traj.turn_policy_version, jnp.iinfo(jnp.int32).max)
+        metrics["oldest_turn_policy_version"] = versions.min().astype(jnp.float32)
     return metrics
 
 

@@ -21,6 +21,7 @@ The off-policy correction is the loss's business: ``starpo.policy_loss='decouple
 decoupled objective, the rollout's own log-probs as the behaviour policy's) or
 ``'rollout_correction'``; plain PPO clips around the proximal policy the update re-scores.
 
+Every turn of a batch records the version that sampled it (``Trajectory.turn_policy_version``).
 Metrics (``async/*``): ``staleness`` (versions between sampling and training), ``policy_version``
 (the version that sampled the batch), ``trainer_wait_s`` (the time the update waited for its batch),
 ``launch_s`` (host time to copy weights and dispatch rollouts), ``rollout_idle`` (1 when the rollout
@@ -119,6 +120,8 @@ class RolloutPipeline:
             traj = self.trainer_placement.take_from_peer(traj, self.trainer_placement.batch_shardings(traj))
         elif self.own_devices:
             traj = self.trainer_placement.put_batch(traj)
+        # One version samples a whole batch (weights change only between rollouts): every turn records it.
+        traj = traj.replace(turn_policy_version=jnp.where(traj.turn_mask, sampled_by, -1).astype(jnp.int32))
         return traj, {"async/staleness": float(version - sampled_by), "async/policy_version": float(sampled_by),
                       "async/trainer_wait_s": t2 - t1, "async/launch_s": t1 - t0,
                       "async/rollout_idle": float(rollout_idle), "async/in_flight": float(len(self.in_flight))}

@@ -26,6 +26,7 @@ ap.add_argument("--out", default=None)
 ap.add_argument("--coordinator", default=None, help="host:port of process 0: one of several processes")
 ap.add_argument("--num_processes", type=int, default=1)
 ap.add_argument("--process_id", type=int, default=0)
+ap.add_argument("--eval_every", type=int, default=0, help="validation every this many steps (0: none)")
 args = ap.parse_args()
 
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -50,8 +51,9 @@ c.compilation_cache_dir = os.environ.get("RAGEN_JAX_TEST_CACHE") or os.path.expa
 c.starpo.actor_lr = 1e-2  # the policy moves visibly in one step: stale and fresh batches differ
 c.filter.update(dict(value=1.0, include_zero=True))  # every group trains (most have no reward spread yet)
 c.warmup.update(dict(steps=0, single_turn_steps=0))  # the pipeline starts from whatever policy there is
-c.trainer.eval_every = 0
+c.trainer.eval_every = args.eval_every
 c.trainer.eval_before_train = False
+c.eval.num_episodes = 8
 
 
 def stop(step, metrics):

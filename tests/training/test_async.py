@@ -97,6 +97,9 @@ def test_the_pipeline_trains_each_batch_one_version_after_the_policy_that_sample
     a, sync = runs["own_devices"], runs["synchronous"]
     assert _series(a, "async/staleness") == [0.0, 1.0, 1.0]
     assert _series(a, "async/policy_version") == [0.0, 0.0, 1.0]
+    # Every turn of the trained batch records the version that sampled it (Trajectory.turn_policy_version).
+    assert _series(a, "train/oldest_turn_policy_version") == [0.0, 0.0, 1.0]
+    assert "train/oldest_turn_policy_version" not in sync
     assert "async/staleness" not in sync
     fresh = np.abs(np.array(_series(sync, "actor/behaviour_weight_mean")) - 1.0)
     assert fresh.max() < 1e-3
@@ -184,10 +187,14 @@ def test_the_rollout_on_a_process_of_its_own_logs_what_one_process_logs(runs, tm
 
 @pytest.mark.slow
 def test_a_two_process_asynchronous_run_resumes_exactly(runs, tmp_path):
-    """Interrupted after step 2 and resumed, both on two processes: the checkpoints were written spanning
-    both processes' devices (``Placement.spanning``: orbax writes multi-process arrays) and restored onto
-    each side; the run logs what the uninterrupted one-process run logs."""
-    _run_two_processes(tmp_path, "resumed", staleness=1, stop_at=2)
+    """Interrupted after step 2 and resumed, both on two processes, validating every 2 steps: the
+    checkpoints were written spanning both processes' devices (``Placement.spanning``: orbax writes
+    multi-process arrays) and restored onto each side; the run logs what the uninterrupted one-process
+    run (no validation) logs."""
+    _run_two_processes(tmp_path, "resumed", staleness=1, stop_at=2, eval_every=2)
     assert (tmp_path / "resumed" / "checkpoints_pipeline" / "2").is_dir()
-    _assert_same_logs(_run_two_processes(tmp_path, "resumed", staleness=1), runs["own_devices"],
-                      "resumed on 2 processes vs straight", rtol=1e-6, atol=1e-7)
+    resumed = _run_two_processes(tmp_path, "resumed", staleness=1, eval_every=2)
+    # Validation ran on the update's process and every process read its results (the run went on).
+    assert set(resumed["val/success"]) == {"2", "3"}
+    trained = {k: v for k, v in resumed.items() if not k.startswith(("val/", "timing_s/eval"))}
+    _assert_same_logs(trained, runs["own_devices"], "resumed on 2 processes vs straight", rtol=1e-6, atol=1e-7)
