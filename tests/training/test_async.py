@@ -198,3 +198,26 @@ def test_a_two_process_asynchronous_run_resumes_exactly(runs, tmp_path):
     assert set(resumed["val/success"]) == {"2", "3"}
     trained = {k: v for k, v in resumed.items() if not k.startswith(("val/", "timing_s/eval"))}
     _assert_same_logs(trained, runs["own_devices"], "resumed on 2 processes vs straight", rtol=1e-6, atol=1e-7)
+
+
+def test_a_multi_process_run_gives_the_rollout_whole_processes(monkeypatch):
+    """Across processes the rollout takes the last processes whole and as many devices as the update
+    keeps (the cross-host transfer pairs the two meshes device by device); another split names the
+    value that works. Devices faked: 2 processes x 2 devices."""
+    import types
+
+    import jax
+
+    from ragen_jax.config import ConfigError
+    from ragen_jax.training import run
+
+    devices = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(4)]
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "local_device_count", lambda: 2)
+    spec = types.SimpleNamespace(mesh=types.SimpleNamespace(rollout_devices=2))
+    update, rollout = run._split_devices(spec)
+    assert [d.id for d in update] == [0, 1] and [d.id for d in rollout] == [2, 3]
+    spec.mesh.rollout_devices = 1  # would put process 1's devices on both sides
+    with pytest.raises(ConfigError, match="set mesh.rollout_devices=2"):
+        run._split_devices(spec)
