@@ -221,3 +221,18 @@ def test_a_multi_process_run_gives_the_rollout_whole_processes(monkeypatch):
     spec.mesh.rollout_devices = 1  # would put process 1's devices on both sides
     with pytest.raises(ConfigError, match="set mesh.rollout_devices=2"):
         run._split_devices(spec)
+
+
+def test_each_cpu_process_receives_transfers_on_a_port_of_its_own(monkeypatch):
+    """The cross-host transfer socket of a CPU process: the coordinator's host when it is this machine,
+    the coordinator's port + 1 + the process index (distinct on one machine, free of the coordinator's);
+    none without a named coordinator (a scheduler's run sets RAGEN_JAX_TRANSFER_ADDRESS), which overrides."""
+    from ragen_jax.launch import cross_host_transfer_address
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("RAGEN_JAX_TRANSFER_ADDRESS", raising=False)
+    assert [cross_host_transfer_address("127.0.0.1:4000", i) for i in (0, 1, 2)] == [
+        "127.0.0.1:4001", "127.0.0.1:4002", "127.0.0.1:4003"]
+    assert cross_host_transfer_address(None, None) is None
+    monkeypatch.setenv("RAGEN_JAX_TRANSFER_ADDRESS", "10.0.0.7:5555")
+    assert cross_host_transfer_address("127.0.0.1:4000", 1) == "10.0.0.7:5555"
