@@ -336,7 +336,8 @@ class MeshConfig(Section):
     tensor: int = 1
     # Devices that run only the rollout (the last ones; a data-parallel mesh of their own), the rest
     # the update (data × fsdp × tensor over them); 0 = both on every device (colocated). With
-    # ``trainer.max_staleness`` > 0 rollout and update then run at the same time.
+    # ``trainer.max_staleness`` > 0 rollout and update then run at the same time. Across processes:
+    # the last processes whole, half the devices (``training.run._split_devices``).
     rollout_devices: int = 0
 
     def __post_init__(self):
