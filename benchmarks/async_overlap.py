@@ -31,7 +31,6 @@ both phases on all n devices (data parallel), the asynchronous one gives the rol
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ STEP_LATENCY_S = 0.05
 
 
 def _config(case: str, workdir: str, steps: int, loop: dict, overrides=()):
+    from ragen_jax.compare import apply_overrides, parse_value
     from ragen_jax.config import resolve
 
     if case == "sokoban":
@@ -79,16 +79,7 @@ def _config(case: str, workdir: str, steps: int, loop: dict, overrides=()):
     c.mesh.rollout_devices = loop["rollout_devices"]
     c.starpo.policy_loss = loop["policy_loss"]
     c.compilation_cache_dir = ""
-    for item in overrides:
-        key, _, value = item.partition("=")
-        section, _, name = key.rpartition(".")
-        target = c
-        for part in section.split(".") if section else ():
-            target = target[part]
-        try:  # a Python literal where it parses (numbers, booleans), else the string
-            target[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            target[name] = value
+    apply_overrides(c, [(key, parse_value(value)) for key, _, value in (o.partition("=") for o in overrides)])
     return resolve(c)
 
 

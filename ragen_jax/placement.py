@@ -198,11 +198,14 @@ class Placement:
         return jax.tree.map(one, tree, shardings)
 
     # Checkpoints of a run on two disjoint process sets: orbax writes arrays that span every process.
+    def _other_side(self, sharding: NamedSharding) -> NamedSharding:
+        """``sharding`` (on this mesh or the peer's) laid out the same way over the other mesh's devices."""
+        return _on_devices(sharding, self.peer if sharding.device_set == self._devices else self.mesh.devices)
+
     def _spanning_sharding(self, sharding: NamedSharding) -> NamedSharding:
         """``sharding`` (on this mesh or the peer's) over both meshes: a leading ``side`` axis, the
         array whole on each side (its own side first), laid out there as ``sharding`` lays it."""
-        other = self.peer if sharding.device_set == self._devices else self.mesh.devices
-        there = _on_devices(sharding, other).mesh.devices
+        there = self._other_side(sharding).mesh.devices
         mesh = Mesh(np.stack([sharding.mesh.devices, there]), ("side",) + tuple(sharding.mesh.axis_names))
         return NamedSharding(mesh, sharding.spec)
 
@@ -216,8 +219,7 @@ class Placement:
         def one(x):
             if not self._spans(x):
                 return x
-            copy = send(x, _on_devices(x.sharding, self.peer if x.sharding.device_set == self._devices
-                                       else self.mesh.devices))
+            copy = send(x, self._other_side(x.sharding))
             local = [s.data for a in (x, copy) for s in a.addressable_shards]
             return jax.make_array_from_single_device_arrays(x.shape, self._spanning_sharding(x.sharding), local,
                                                             dtype=x.dtype)
@@ -252,7 +254,7 @@ class Placement:
         """``x`` (on this mesh's processes) as NumPy on every process: replicated on this mesh, sent to
         the peer's devices, and read where each process holds a copy (a collective of every process)."""
         whole = x if x.sharding == self.replicated else jax.jit(lambda a: a, out_shardings=self.replicated)(x)
-        there = send(whole, _on_devices(whole.sharding, self.peer))
+        there = send(whole, self._other_side(whole.sharding))
         local = whole if jax.process_index() in _processes(whole.sharding) else there
         return np.asarray(local.addressable_data(0))
 

@@ -218,13 +218,14 @@ class Checkpointer:
 
     def _read(self, like: Any, step: int):
         self.wait()
-        if self.placement is None:
-            return self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
         target = _abstract(like)
+        spanning = self.placement is not None  # saved over both sides of the run: read so, keep like's side
         out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(self.placement.spanning_target(target)), meta=ocp.args.JsonRestore()))
-        return {"state": self.placement.one_side(out["state"], target), "meta": out["meta"]}
+            state=ocp.args.StandardRestore(self.placement.spanning_target(target) if spanning else target),
+            meta=ocp.args.JsonRestore()))
+        if spanning:
+            out = {"state": self.placement.one_side(out["state"], target), "meta": out["meta"]}
+        return out
 
     def restore_latest_intact(self, like: Any, set_aside: bool = True) -> tuple[Any, dict, int, list[tuple[int, str]]]:
         """Restore the newest checkpoint that reads back whole; returns ``(state, meta, step, skipped)``.
