@@ -1,14 +1,15 @@
 """Search-R1-style question answering through a tool: the BM25 ``search`` tool over the shipped
 corpus, called in the Qwen/Hermes format, then finish[answer] (``ragen_jax/tools/env.py``).
 
-    python -m ragen_jax.launch --config configs/search_tools.py
-    python -m ragen_jax.launch --config configs/search_tools.py --config.model.preset=smollm2_135m
+    python -m ragen_jax.launch --config configs/search_tools.py      # tiny preset: warm-up, 40 StarPO steps
+    python -m ragen_jax.launch --config configs/search_tools_smollm2.py  # SmolLM2-135M with LoRA
 
 Each turn the answer holds tool calls, ``<tool_call>{"name": "search", "arguments": {"query": ...}}
 </tool_call>``, or the final answer; the tool's output comes back as the next observation in
 ``<tool_response>`` tags (environment text, never in the loss). Reward: exact match, partial credit
 for token F1 above 0.3 (as ``search_qa``). Questions and corpus are generated (fictional people and
-towns, one- and two-hop), so it runs offline.
+towns, one- and two-hop), so it runs offline. Results on the tiny preset (0.028 exact match on the
+36 held-out questions after the warm-up, 0.000 after StarPO): ``docs/results/tools_tiny``.
 """
 from configs import base
 
